@@ -1,0 +1,44 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+DEMO_DATA := datasets/IronGrain/demo
+DEMO_RUN := runs/demo
+
+.PHONY: install demo test lint format bench clean-demo
+
+$(STAMP): requirements.txt requirements-cpu.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check \
+		-r requirements-cpu.txt -r requirements.txt -r requirements-dev.txt
+	touch $@
+
+install: $(STAMP)
+
+$(DEMO_DATA)/.complete: datasets/make_synthetic.py | $(STAMP)
+	$(PY) datasets/make_synthetic.py --out $(DEMO_DATA) --n-train 8 --n-val 3 --shape 32 96 96 --seed 0
+	touch $@
+
+demo: $(STAMP) $(DEMO_DATA)/.complete
+	NPROC_PER_NODE=2 PYTHON=$(PY) bash launch.sh --config configs/demo.yaml \
+		--data-root $(DEMO_DATA) --output-dir $(DEMO_RUN) --resume none
+	$(PY) -m app.report $(DEMO_RUN)
+	@echo "Open TensorBoard with: $(VENV)/bin/tensorboard --logdir $(DEMO_RUN)/tensorboard"
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP)
+	$(PY) bench/train_step.py
+
+clean-demo:
+	rm -rf $(DEMO_RUN) $(DEMO_DATA)
