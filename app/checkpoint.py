@@ -1,0 +1,131 @@
+"""Atomic checkpoint writes, restore, and resume discovery.
+
+A checkpoint is plain data (tensors, numbers, strings, lists, dicts) so that it loads with
+``torch.load(..., weights_only=True)``:
+
+``model`` (the unwrapped state_dict), ``optimizer``, ``scheduler``, ``precision`` (backend,
+opt level, dtype, and the GradScaler or apex ``amp`` state), ``epoch`` (epochs completed),
+``best_dice``, ``metrics`` (that epoch's record), ``config`` and ``rng`` (torch, CUDA, numpy and
+Python generator states).
+
+Writes go to a temporary file in the same folder, are flushed to disk, then renamed over the
+target with ``os.replace``: a writer killed at any point leaves the previous file intact.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+REQUIRED_KEYS = ("format_version", "model", "optimizer", "scheduler", "precision", "epoch",
+                 "config")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is unusable; the message names the file."""
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path | str, write) -> None:
+    """Call ``write(file_object)`` on a temporary file, then rename it to ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
+
+
+def save_checkpoint(path: Path | str, state: dict[str, Any]) -> None:
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def load_checkpoint(path: Path | str) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint not found")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: not a readable checkpoint, corrupt or truncated? "
+                              f"({type(exc).__name__}: {exc})") from exc
+    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{path}: not a checkpoint of this trainer (missing {missing})")
+    if state["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {state['format_version']}, this "
+                              f"trainer reads format {FORMAT_VERSION}")
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    """Generator states as plain data (numpy's key array becomes a tensor)."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": numpy_state,
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    numpy_state = dict(state["numpy"])
+    numpy_state["state"] = {**numpy_state["state"],
+                            "key": state["numpy"]["state"]["key"].numpy().astype(np.uint32)}
+    np.random.set_state(numpy_state)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def resume_path(resume: str, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, or None to start fresh; refuses to overwrite a run."""
+    last = checkpoint_dir(run_dir) / "last.pt"
+    if resume == "auto":
+        return last if last.is_file() else None
+    if resume == "none":
+        if last.is_file():
+            raise CheckpointError(
+                f"{last}: --resume none, but this run dir already has checkpoints; use "
+                "--resume auto to continue it, or a new --output-dir")
+        return None
+    path = Path(resume)
+    if not path.is_file():
+        raise CheckpointError(f"--resume {path}: checkpoint not found")
+    return path

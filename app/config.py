@@ -1,0 +1,275 @@
+"""One typed configuration: defaults < YAML file (``--config``) < command-line flags.
+
+Every field of :class:`Config` is a flag: ``patch_size`` is ``--patch-size``. A YAML file uses
+the field names (``patch_size: [32, 160, 160]``). The resolved configuration is validated once,
+here, so that a bad setting fails before any process group, data or model exists, with a message
+that names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the flag or file."""
+
+
+def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
+    meta = {"help": help, "group": group, **extra}
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Config:
+    # data
+    data_root: str = _opt(
+        "datasets/IronGrain/74x320x320",
+        "root with train_patches/ and val_patches/, each holding images/ and labels/",
+        "data",
+    )
+    patch_size: tuple[int, int, int] = _opt((32, 160, 160), "training patch D H W", "data")
+    samples_per_volume: int = _opt(4, "random patches drawn from each volume per epoch", "data")
+    foreground_fraction: float = _opt(
+        0.33, "fraction of patches centred on a foreground voxel", "data"
+    )
+    normalization: Literal["zscore", "percentile"] = _opt(
+        "zscore",
+        "per-volume intensity normalisation: z-score, or clip to 0.5-99.5 percentiles and scale "
+        "to [0, 1]",
+        "data",
+    )
+    augment: bool = _opt(True, "flips, brightness/contrast, noise and blur on training patches", "data")
+    num_workers: int = _opt(2, "DataLoader worker processes per training process", "data")
+
+    # model
+    f_maps: int = _opt(32, "feature maps of the first U-Net level (doubled at each level)", "model")
+    depth: int = _opt(4, "U-Net levels, counting the bottleneck", "model")
+
+    # optimisation
+    epochs: int = _opt(100, "epochs to train", "optim")
+    batch_size: int = _opt(8, "patches per step, per process", "optim")
+    lr: float = _opt(2e-4, "Adam learning rate for one process (see --lr-scaling)", "optim")
+    weight_decay: float = _opt(1e-4, "Adam weight decay", "optim")
+    milestones: list[int] = _opt([25, 50, 75], "MultiStepLR milestones, in epochs", "optim")
+    gamma: float = _opt(0.2, "MultiStepLR factor at each milestone", "optim")
+    lr_scaling: Literal["none", "linear", "sqrt"] = _opt(
+        "none", "scale --lr by world size (linear) or its square root (sqrt)", "optim"
+    )
+    warmup_epochs: int = _opt(0, "linear learning-rate warmup epochs before MultiStepLR", "optim")
+    bce_weight: float = _opt(1.0, "weight of the BCE term of the loss", "optim")
+    dice_weight: float = _opt(1.0, "weight of the soft Dice term of the loss", "optim")
+
+    # mixed precision
+    amp_backend: Literal["native", "apex"] = _opt(
+        "native", "mixed-precision backend: torch.amp or legacy NVIDIA apex", "precision"
+    )
+    opt_level: Literal["O0", "O1", "O2", "O3"] = _opt(
+        "O1", "O0 fp32, O1 autocast, O2 apex fp16 model, O3 pure half model", "precision"
+    )
+    amp_dtype: Literal["auto", "float16", "bfloat16"] = _opt(
+        "auto", "half dtype for native AMP; auto = float16 on CUDA, bfloat16 on CPU", "precision"
+    )
+    fp32_ops: list[str] = _opt(
+        ["sigmoid", "softmax"], "torch functions always computed in float32", "precision"
+    )
+
+    # evaluation
+    val_mode: Literal["whole", "patches"] = _opt(
+        "whole",
+        "validation on whole volumes with Gaussian-blended overlapping windows, or on a fixed "
+        "non-overlapping patch grid that covers each volume",
+        "eval",
+    )
+    val_every: int = _opt(1, "validate every N epochs (and always at the last)", "eval")
+    sw_overlap: float = _opt(0.5, "sliding-window overlap for --val-mode whole", "eval")
+    sw_batch_size: int = _opt(2, "windows per forward pass in sliding-window inference", "eval")
+
+    # distributed / device
+    device: Literal["auto", "cpu", "cuda"] = _opt("auto", "auto picks CUDA when present", "dist")
+    dist_backend: Literal["auto", "nccl", "gloo"] = _opt(
+        "auto", "auto = nccl on CUDA, gloo on CPU", "dist"
+    )
+    dist_timeout_s: int = _opt(1800, "timeout of collective operations, in seconds", "dist")
+    local_rank: int = _opt(
+        -1, "set by the deprecated torch.distributed.launch; torchrun uses LOCAL_RANK", "dist"
+    )
+
+    # run
+    output_dir: str = _opt("runs/irongrain", "run directory (config, metrics, checkpoints)", "run")
+    seed: int = _opt(0, "seed for weights, sampling and augmentation", "run")
+    resume: str = _opt(
+        "auto",
+        "auto: continue from OUTPUT_DIR/checkpoints/last.pt when it exists; none: start fresh "
+        "(refuses a run dir that has checkpoints); or a checkpoint path",
+        "run",
+    )
+    eval_only: bool = _opt(False, "evaluate the resumed checkpoint and exit", "run")
+    log_every: int = _opt(20, "steps between progress-bar loss refreshes (one host sync each)", "run")
+    log_images: bool = _opt(True, "write slice images to TensorBoard at each validation", "run")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, not tuples): safe for YAML and for ``torch.load(weights_only)``."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_HINTS = typing.get_type_hints(Config)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Check and convert one value (from YAML) to the field's type."""
+    hint = _HINTS[name]
+    origin = get_origin(hint)
+    where = f"{source}: '{name}'"
+    if origin is Literal:
+        if value not in get_args(hint):
+            raise ConfigError(f"{where} must be one of {list(get_args(hint))}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        item_type = get_args(hint)[0]
+        items = [_scalar(item_type, v, where) for v in value]
+        return tuple(items) if origin is tuple else items
+    return _scalar(hint, value, where)
+
+
+def _scalar(kind: type, value: Any, where: str) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 2e-4 as a string
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ConfigError(f"{where} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.train",
+        description="Train a 3D U-Net on IronGrain CT volumes (BCE+Dice, SyncBN -> AMP -> DDP).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", type=Path, help="YAML file of settings (field names as keys)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, f in FIELDS.items():
+        group_name = f.metadata["group"]
+        group = groups.setdefault(group_name, parser.add_argument_group(group_name))
+        hint = _HINTS[name]
+        origin = get_origin(hint)
+        flags = [_flag(name)]
+        if name == "local_rank":
+            flags.append("--local_rank")  # torch.distributed.launch passes the underscore form
+        kwargs: dict[str, Any] = {"help": f.metadata["help"], "default": argparse.SUPPRESS}
+        if hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif origin is Literal:
+            kwargs["choices"] = list(get_args(hint))
+        elif origin is tuple:
+            kwargs.update(type=get_args(hint)[0], nargs=len(get_args(hint)), metavar=("D", "H", "W"))
+        elif origin is list:
+            kwargs.update(type=get_args(hint)[0], nargs="*")
+        else:
+            kwargs["type"] = hint
+        # show the real default in --help while keeping SUPPRESS, so that only flags the user
+        # typed override the YAML file
+        kwargs["help"] += f" (default: {_show(f)})"
+        group.add_argument(*flags, dest=name, **kwargs)
+    return parser
+
+
+def _show(f: dataclasses.Field) -> str:
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read ({exc.strerror})") from exc
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown setting(s) {unknown}; see --help for the names")
+    return {k: _coerce(k, v, f"--config {path}") for k, v in data.items()}
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Defaults < YAML < flags, then validated. Exits with a usage message on a bad flag."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    config_path = args.pop("config", None)
+    values = read_yaml(config_path) if config_path else {}
+    values.update(args)
+    if isinstance(values.get("patch_size"), list):
+        values["patch_size"] = tuple(values["patch_size"])
+    cfg = Config(**values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    def need(ok: bool, name: str, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"{_flag(name)} {what}, got {getattr(cfg, name)!r}")
+
+    need(len(cfg.patch_size) == 3 and all(s > 0 for s in cfg.patch_size), "patch_size",
+         "needs three positive sizes D H W")
+    for name in ("samples_per_volume", "f_maps", "epochs", "batch_size", "val_every", "log_every",
+                 "sw_batch_size", "dist_timeout_s"):
+        need(getattr(cfg, name) >= 1, name, "must be at least 1")
+    need(cfg.depth >= 2, "depth", "must be at least 2")
+    need(cfg.num_workers >= 0, "num_workers", "must be 0 or more")
+    need(0.0 <= cfg.foreground_fraction <= 1.0, "foreground_fraction", "must be within [0, 1]")
+    need(cfg.lr > 0, "lr", "must be positive")
+    need(cfg.weight_decay >= 0, "weight_decay", "must be 0 or more")
+    need(0 < cfg.gamma <= 1, "gamma", "must be within (0, 1]")
+    need(list(cfg.milestones) == sorted(set(cfg.milestones)) and all(m > 0 for m in cfg.milestones),
+         "milestones", "must be increasing positive epochs")
+    need(cfg.warmup_epochs >= 0, "warmup_epochs", "must be 0 or more")
+    need(cfg.bce_weight >= 0 and cfg.dice_weight >= 0 and cfg.bce_weight + cfg.dice_weight > 0,
+         "bce_weight", "and --dice-weight must be non-negative and not both zero")
+    need(0.0 <= cfg.sw_overlap < 1.0, "sw_overlap", "must be within [0, 1)")
+    need(cfg.resume in ("auto", "none") or Path(cfg.resume).suffix == ".pt", "resume",
+         "must be auto, none or a .pt checkpoint path")
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    from app.checkpoint import atomic_write_bytes
+
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    atomic_write_bytes(path, text.encode())
+

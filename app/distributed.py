@@ -1,0 +1,170 @@
+"""Process group, device, rank helpers and ``prepare()``: SyncBN -> AMP -> DDP, in that order.
+
+torchrun (and, through it, a Kubeflow PyTorchJob) sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT``. The deprecated ``torch.distributed.launch`` passes
+``--local_rank`` instead of ``LOCAL_RANK``. One process with none of this runs without a process
+group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from app.config import Config, ConfigError
+from app.precision import Precision, import_apex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) "
+                          "are visible; lower NPROC_PER_NODE")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(cfg: Config) -> DistEnv:
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", cfg.local_rank if cfg.local_rank >= 0 else 0)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world_size} are inconsistent")
+    device = resolve_device(cfg.device, local_rank)
+    if world_size > 1:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not os.environ.get(name):
+                raise ConfigError(f"WORLD_SIZE={world_size} but {name} is not set; start with "
+                                  "launch.sh (torchrun), which sets it")
+        backend = cfg.dist_backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl" and device.type != "cuda":
+            raise ConfigError("--dist-backend nccl needs CUDA; use gloo on CPU")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
+    return DistEnv(rank, local_rank, world_size, device)
+
+
+@contextlib.contextmanager
+def distributed_session(cfg: Config) -> Iterator[DistEnv]:
+    """The process group for the ``with`` block; destroyed on normal exit and on error."""
+    env = init_distributed(cfg)
+    try:
+        yield env
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- collectives
+def reduce_tensor(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce in place on every rank (a no-op without a process group) and return it."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare model under a DDP wrapper (native or apex)."""
+    return model.module if hasattr(model, "module") else model
+
+
+# ----------------------------------------------------------------------------- prepare()
+class NativeParallel:
+    @staticmethod
+    def convert_syncbn(model: nn.Module) -> nn.Module:
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+    @staticmethod
+    def wrap(model: nn.Module, env: DistEnv) -> nn.Module:
+        device_ids = [env.local_rank] if env.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+class ApexParallel:
+    def __init__(self) -> None:
+        self.parallel = import_apex("apex.parallel")
+
+    def convert_syncbn(self, model: nn.Module) -> nn.Module:
+        return self.parallel.convert_syncbn_model(model)
+
+    def wrap(self, model: nn.Module, env: DistEnv) -> nn.Module:
+        return self.parallel.DistributedDataParallel(model, delay_allreduce=True)
+
+
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
+            env: DistEnv) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """SyncBN -> AMP -> DDP, the order of the original recipe (and of apex's requirements).
+
+    The model must already be on ``env.device`` and ``optimizer`` built over its parameters.
+    """
+    parallel = ApexParallel() if precision.backend == "apex" else NativeParallel()
+    if env.distributed and env.device.type == "cuda":
+        model = parallel.convert_syncbn(model)
+    elif env.distributed and env.is_primary:
+        log.info("SyncBatchNorm runs on CUDA only: on CPU each process keeps its own BatchNorm")
+    model, optimizer = precision.initialize(model, optimizer)
+    if env.distributed:
+        model = parallel.wrap(model, env)
+    return model, optimizer

@@ -1,0 +1,33 @@
+"""Confusion counts -> Dice and IoU, per volume and global.
+
+Dice = 2TP / (2TP + FP + FN), IoU = TP / (TP + FP + FN), of the thresholded prediction
+(sigmoid > 0.5). A volume that is empty in both prediction and label scores 1 for both: there
+was nothing to find and nothing was found. The global figures sum the counts over the whole
+validation set first, so large volumes weigh more; the per-volume mean weighs volumes equally.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app import precision
+
+
+def confusion_counts(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``[TP, FP, FN]`` as float64 (exact for any realistic voxel count)."""
+    pred = precision.sigmoid(logits) > 0.5
+    truth = target > 0.5
+    tp = (pred & truth).sum()
+    fp = (pred & ~truth).sum()
+    fn = (~pred & truth).sum()
+    return torch.stack([tp, fp, fn]).double()
+
+
+def dice_iou(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dice and IoU from ``[..., 3]`` counts, 1 where prediction and label are both empty."""
+    tp, fp, fn = counts.unbind(-1)
+    union = tp + fp + fn
+    empty = union == 0
+    dice = torch.where(empty, 1.0, 2 * tp / (2 * tp + fp + fn).clamp_min(1))
+    iou = torch.where(empty, 1.0, tp / union.clamp_min(1))
+    return dice, iou

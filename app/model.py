@@ -1,0 +1,73 @@
+"""3D U-Net for binary (or multi-class) segmentation of CT volumes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class DoubleConv(nn.Sequential):
+    """(Conv3d 3x3x3 -> BatchNorm3d -> ReLU) twice. BatchNorm gives SyncBN something to convert."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__(
+            nn.Conv3d(in_channels, out_channels, 3, padding=1, bias=False),
+            nn.BatchNorm3d(out_channels),
+            nn.ReLU(inplace=True),
+            nn.Conv3d(out_channels, out_channels, 3, padding=1, bias=False),
+            nn.BatchNorm3d(out_channels),
+            nn.ReLU(inplace=True),
+        )
+
+
+class Up(nn.Module):
+    """Transposed-conv upsampling to the skip connection's exact size, concat, DoubleConv.
+
+    ``output_size`` resolves the odd sizes that floor pooling leaves (74 -> 37 -> 18 -> 37 -> 74),
+    so any input size works without padding or cropping.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.up = nn.ConvTranspose3d(in_channels, out_channels, kernel_size=2, stride=2)
+        self.conv = DoubleConv(2 * out_channels, out_channels)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        x = self.up(x, output_size=skip.shape[-3:])
+        return self.conv(torch.cat([skip, x], dim=1))
+
+
+class UNet3d(nn.Module):
+    """Encoder of ``depth`` levels (``f_maps * 2**i`` channels), decoder with skip connections.
+
+    Returns logits with the input's spatial shape; the sigmoid lives in the loss, metrics and
+    prediction, where it is computed in float32.
+    """
+
+    def __init__(self, n_channels: int = 1, n_classes: int = 1, f_maps: int = 32, depth: int = 4):
+        super().__init__()
+        if depth < 2:
+            raise ValueError(f"depth must be at least 2, got {depth}")
+        widths = [f_maps * 2**i for i in range(depth)]
+        self.encoders = nn.ModuleList([DoubleConv(n_channels, widths[0])])
+        self.encoders.extend(DoubleConv(a, b) for a, b in zip(widths, widths[1:]))
+        self.decoders = nn.ModuleList(Up(a, b) for a, b in zip(widths[::-1], widths[-2::-1]))
+        self.pool = nn.MaxPool3d(2)
+        self.head = nn.Conv3d(widths[0], n_classes, kernel_size=1)
+
+    @property
+    def min_size(self) -> int:
+        """Smallest spatial size per axis: every pooling level needs at least 2 voxels."""
+        return 2 ** (len(self.encoders) - 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if any(s < self.min_size for s in x.shape[-3:]):
+            raise ValueError(f"input {tuple(x.shape[-3:])} is smaller than {self.min_size} voxels "
+                             f"on an axis; this depth needs at least {self.min_size}")
+        skips = []
+        for i, encoder in enumerate(self.encoders):
+            x = encoder(x if i == 0 else self.pool(x))
+            skips.append(x)
+        for decoder, skip in zip(self.decoders, reversed(skips[:-1])):
+            x = decoder(x, skip)
+        return self.head(x)

@@ -1,0 +1,251 @@
+"""Train a 3D U-Net on IronGrain volumes: ``python -m app.train --help`` (or ``bash launch.sh``).
+
+config -> data + DistributedSampler -> UNet3d -> prepare(): SyncBN -> AMP -> DDP -> epochs of
+{train under autocast, scheduler.step() once, exact sharded evaluation} -> primary rank writes
+metrics, TensorBoard and checkpoints, then every rank passes a barrier.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, MultiStepLR
+from torch.utils.data import DataLoader, DistributedSampler
+
+from app.checkpoint import (
+    CheckpointError,
+    atomic_write_bytes,
+    checkpoint_dir,
+    load_checkpoint,
+    resume_path,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from app.config import Config, ConfigError, load_config, save_config
+from app.data import DataError, PatchDataset, load_split
+from app.distributed import (
+    DistEnv,
+    barrier,
+    broadcast_object,
+    distributed_session,
+    prepare,
+    reduce_tensor,
+    unwrap,
+)
+from app.losses import BCEDiceLoss
+from app.model import UNet3d
+from app.precision import Precision, build_precision
+from app.tracking import make_tracker
+from app.validation import EvalResult, evaluate
+from app.volume_io import VolumeError
+
+log = logging.getLogger("app.train")
+USER_ERRORS = (ConfigError, DataError, VolumeError, CheckpointError)
+
+
+def scaled_lr(cfg: Config, world_size: int) -> float:
+    factor = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[cfg.lr_scaling]
+    return cfg.lr * factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRScheduler:
+    """MultiStepLR over epochs, after an optional linear warmup; stepped once per epoch."""
+    multistep = MultiStepLR(optimizer, milestones=list(cfg.milestones), gamma=cfg.gamma)
+    if not cfg.warmup_epochs:
+        return multistep
+    warmup = LinearLR(optimizer, start_factor=1.0 / (cfg.warmup_epochs + 1),
+                      total_iters=cfg.warmup_epochs)
+    return ChainedScheduler([warmup, multistep], optimizer=optimizer)
+
+
+def train_one_epoch(model, loader, optimizer, precision: Precision, loss_fn, tracker, env: DistEnv,
+                    epoch: int, epochs: int) -> tuple[float, int]:
+    """Mean loss over every step of every rank, and the samples all ranks saw.
+
+    The loss is accumulated on the device and reduced once, after the loop: no per-step host
+    sync or collective (the progress bar reads it every ``--log-every`` steps, primary only).
+    """
+    model.train()
+    totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, steps, samples
+    bar = tracker.progress(loader, epoch, epochs)
+    for step, (images, labels) in enumerate(bar, start=1):
+        images = images.to(env.device, non_blocking=True)
+        labels = labels.to(env.device, non_blocking=True)
+        with precision.autocast():
+            loss = loss_fn(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        precision.backward(loss, optimizer)
+        precision.step(optimizer)
+        totals[0] += loss.detach()
+        totals[1] += 1
+        totals[2] += images.shape[0]
+        tracker.show_loss(bar, step, totals[0])
+    loss_sum, steps, samples = reduce_tensor(totals).tolist()
+    return loss_sum / max(steps, 1), int(samples)
+
+
+def run_evaluation(model, val_volumes, loss_fn, precision, env: DistEnv, cfg: Config):
+    return evaluate(unwrap(model), val_volumes, loss_fn, precision, env, tuple(cfg.patch_size),
+                    cfg.val_mode, cfg.sw_overlap, cfg.sw_batch_size)
+
+
+def checkpoint_state(model, optimizer, scheduler, precision: Precision, epoch: int,
+                     best_dice: float, record: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    return {
+        "format_version": 1,
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "precision": precision.state_dict(),
+        "epoch": epoch,
+        "best_dice": best_dice,
+        "metrics": record,
+        "config": cfg.to_dict(),
+        "rng": rng_state(),
+    }
+
+
+def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
+    import json
+
+    dice_v, iou_v = result.per_volume
+    report = {"epoch": epoch, **result.summary(), "volumes": [
+        {"name": n, "dice": float(d), "iou": float(i), "loss": float(row[3]),
+         "tp": int(row[0]), "fp": int(row[1]), "fn": int(row[2])}
+        for n, d, i, row in zip(result.names, dice_v, iou_v, result.table)]}
+    atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
+
+
+def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    precision = build_precision(cfg, env.device)
+    # decided on the primary rank so that every rank resumes from the same file
+    resume_from = broadcast_object(resume_path(cfg.resume, cfg.run_dir) if env.is_primary else None)
+    if cfg.eval_only and resume_from is None:
+        raise ConfigError(f"--eval-only needs a checkpoint: {cfg.run_dir}/checkpoints/last.pt does "
+                          "not exist; pass --resume PATH or the --output-dir of a trained run")
+
+    train_volumes = [] if cfg.eval_only else load_split(cfg.data_root, "train", cfg.normalization,
+                                                        cfg.seed)
+    val_volumes = load_split(cfg.data_root, "val", cfg.normalization, cfg.seed)
+    train_set = PatchDataset(train_volumes, cfg.patch_size, cfg.samples_per_volume,
+                             cfg.foreground_fraction, cfg.augment, cfg.seed)
+    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank,
+                                 shuffle=True, seed=cfg.seed)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler,
+                        num_workers=cfg.num_workers, pin_memory=env.device.type == "cuda")
+
+    model = UNet3d(n_channels=1, n_classes=1, f_maps=cfg.f_maps, depth=cfg.depth).to(env.device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=scaled_lr(cfg, env.world_size),
+                                 weight_decay=cfg.weight_decay)
+    scheduler = build_scheduler(optimizer, cfg)
+    model, optimizer = prepare(model, optimizer, precision, env)
+    loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
+
+    start_epoch, best_dice = 0, -1.0
+    if resume_from is not None:
+        state = load_checkpoint(resume_from)
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        precision.load_state_dict(state["precision"])  # after initialize(), as apex requires
+        set_rng_state(state["rng"])
+        start_epoch, best_dice = state["epoch"], state["best_dice"]
+        log.info("resumed from %s at epoch %d (best dice %.4f)", resume_from, start_epoch,
+                 best_dice)
+
+    log.info("world size %d on %s; %s; %d train / %d val volumes; %.2fM parameters",
+             env.world_size, env.device, precision.describe(), len(train_volumes),
+             len(val_volumes), sum(p.numel() for p in model.parameters()) / 1e6)
+
+    if cfg.eval_only:
+        result, _ = run_evaluation(model, val_volumes, loss_fn, precision, env, cfg)
+        if env.is_primary:
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            write_eval_report(cfg.run_dir / "eval.json", result, start_epoch)
+            log.info("eval of epoch %d: %s", start_epoch, result.summary())
+        return result.summary()
+
+    tracker = make_tracker(cfg, env, start_epoch)
+    if env.is_primary:
+        save_config(cfg, cfg.run_dir / "config.yaml")
+    record: dict[str, Any] = {}
+    for epoch in range(start_epoch + 1, cfg.epochs + 1):
+        sampler.set_epoch(epoch)
+        train_set.set_epoch(epoch)
+        started = time.perf_counter()
+        lr = optimizer.param_groups[0]["lr"]
+        train_loss, samples = train_one_epoch(model, loader, optimizer, precision, loss_fn,
+                                              tracker, env, epoch, cfg.epochs)
+        train_time = time.perf_counter() - started
+        scheduler.step()  # milestones are epochs
+
+        record = {"epoch": epoch, "train_loss": train_loss, "lr": lr}
+        sample = None
+        if epoch % cfg.val_every == 0 or epoch == cfg.epochs:
+            result, sample = run_evaluation(model, val_volumes, loss_fn, precision, env, cfg)
+            record.update(result.summary())
+        voxels = samples * math.prod(cfg.patch_size)
+        record.update(epoch_time_s=time.perf_counter() - started,
+                      samples_per_s=samples / train_time, voxels_per_s=voxels / train_time,
+                      world_size=env.world_size)
+        tracker.log_epoch(record, sample)
+
+        improved = record.get("dice", -1.0) > best_dice
+        best_dice = max(best_dice, record.get("dice", -1.0))
+        if env.is_primary:
+            state = checkpoint_state(model, optimizer, scheduler, precision, epoch, best_dice,
+                                     record, cfg)
+            save_checkpoint(checkpoint_dir(cfg.run_dir) / "last.pt", state)
+            if improved:
+                save_checkpoint(checkpoint_dir(cfg.run_dir) / "best.pt", state)
+        barrier()  # no rank races ahead of a checkpoint it may need to resume from
+
+    tracker.finish(record)
+    if env.is_primary and record:
+        log.info("finished epoch %d: val dice %.4f (best %.4f), iou %.4f", record["epoch"],
+                 record.get("dice", float("nan")), best_dice, record.get("iou", float("nan")))
+    return record
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def log_versions() -> None:
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    log.info("torch %s, CUDA %s, cuDNN %s", torch.__version__, torch.version.cuda, cudnn)
+    if torch.__version__.startswith("2.9.0") and torch.cuda.is_available():
+        log.warning("torch 2.9.0 disabled cuDNN for fp16/bf16 3D convolutions: AMP is ~4x slower")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    setup_logging(int(os.environ.get("RANK", "0") or 0))
+    try:
+        cfg = load_config(argv)
+        with distributed_session(cfg) as env:
+            setup_logging(env.rank)
+            log_versions()
+            train(cfg, env)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

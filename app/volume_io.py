@@ -1,0 +1,100 @@
+"""Reading and writing 3D volumes: NIfTI (nibabel), TIFF stacks (tifffile) and ``.npy``.
+
+Arrays are used in the axis order they are stored in and called (D, H, W). A volume read here
+can be written back in its own format with its own NIfTI affine and header.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+EXTENSIONS = (".nii.gz", ".nii", ".tif", ".tiff", ".npy")
+
+
+class VolumeError(ValueError):
+    """A volume file is unusable; the message starts with its path."""
+
+
+def split_ext(path: Path | str) -> tuple[str, str]:
+    """``grain_01.nii.gz`` -> (``grain_01``, ``.nii.gz``); the extension is lower-cased."""
+    name = Path(path).name
+    lower = name.lower()
+    for ext in EXTENSIONS:
+        if lower.endswith(ext):
+            return name[: -len(ext)], ext
+    return Path(name).stem, Path(name).suffix.lower()
+
+
+def is_volume_file(path: Path) -> bool:
+    return path.is_file() and split_ext(path)[1] in EXTENSIONS and not path.name.startswith(".")
+
+
+@dataclass
+class VolumeMeta:
+    """What is needed to write a result next to its input in the same format."""
+
+    ext: str
+    affine: np.ndarray | None = None
+    header: Any = None
+
+
+def read_volume(path: Path | str) -> tuple[np.ndarray, VolumeMeta]:
+    """Read a 3D numeric array; any failure becomes a :class:`VolumeError` naming the file."""
+    path = Path(path)
+    ext = split_ext(path)[1]
+    if ext not in EXTENSIONS:
+        raise VolumeError(f"{path}: unsupported file type {ext!r}; expected one of {EXTENSIONS}")
+    try:
+        if ext in (".nii", ".nii.gz"):
+            import nibabel as nib
+
+            img = nib.load(str(path))
+            array = np.asarray(img.dataobj)
+            meta = VolumeMeta(ext, affine=img.affine, header=img.header)
+        elif ext in (".tif", ".tiff"):
+            import tifffile
+
+            array = tifffile.imread(str(path))
+            meta = VolumeMeta(ext)
+        else:
+            array = np.load(path, allow_pickle=False)
+            meta = VolumeMeta(ext)
+    except Exception as exc:  # every reader has its own zoo of errors for a bad file
+        raise VolumeError(f"{path}: cannot read {ext} file, corrupt or truncated? ({exc})") from exc
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "biuf":
+        raise VolumeError(f"{path}: expected a numeric array, got dtype {array.dtype}")
+    if array.ndim != 3:
+        raise VolumeError(f"{path}: expected a 3D array (D, H, W), got shape {array.shape}")
+    return array, meta
+
+
+def write_volume(path: Path | str, array: np.ndarray, meta: VolumeMeta) -> None:
+    """Write atomically (temporary file in the same folder, then rename) in ``meta``'s format."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=meta.ext)
+    os.close(fd)
+    try:
+        if meta.ext in (".nii", ".nii.gz"):
+            import nibabel as nib
+
+            header = meta.header.copy() if meta.header is not None else None
+            img = nib.Nifti1Image(array, meta.affine, header)
+            img.set_data_dtype(array.dtype)
+            nib.save(img, tmp)
+        elif meta.ext in (".tif", ".tiff"):
+            import tifffile
+
+            tifffile.imwrite(tmp, array)
+        else:
+            with open(tmp, "wb") as f:
+                np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The one launcher: `bash launch.sh [trainer flags]` on a workstation, in the container
+# (`docker run --gpus all --ipc=host IMAGE bash launch.sh ...`) and in a Kubeflow PyTorchJob or
+# TrainJob pod. It always runs torchrun; extra arguments go to `python -m app.train`.
+#
+#   PET_NNODES ... set        PyTorchJob/TrainJob: torchrun reads PET_NNODES, PET_NPROC_PER_NODE,
+#                             PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT itself
+#   NPROC_PER_NODE            processes on this node (default: visible GPUs, or 1 without a GPU;
+#                             never "auto", which starts one process per CPU core)
+#   NNODES, NODE_RANK         multi-node by hand (default 1 and 0), with MASTER_ADDR, MASTER_PORT
+#   MAX_RESTARTS              elastic restarts of the whole group after a worker dies (default 0);
+#                             restarted workers resume from OUTPUT_DIR/checkpoints/last.pt
+#   PYTHON                    interpreter (default: python)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+export NO_ALBUMENTATIONS_UPDATE=1 PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+
+die() { echo "launch.sh: $*" >&2; exit 2; }
+is_count() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
+
+is_count "$MAX_RESTARTS" || [[ $MAX_RESTARTS == 0 ]] \
+  || die "MAX_RESTARTS must be a non-negative integer, got '$MAX_RESTARTS'"
+
+if [[ -n ${PET_NNODES:-} ]]; then
+  # The operator injects PET_* (and, for v1, MASTER_ADDR/RANK/WORLD_SIZE of the pod, which
+  # torchrun replaces with per-process values). torchrun reads PET_* as its defaults.
+  for var in PET_NPROC_PER_NODE PET_NODE_RANK PET_MASTER_ADDR PET_MASTER_PORT; do
+    [[ -n ${!var:-} ]] || die "PET_NNODES is set but $var is not: is this a PyTorchJob pod?"
+  done
+  is_count "$PET_NPROC_PER_NODE" \
+    || die "PET_NPROC_PER_NODE must be a positive integer, got '$PET_NPROC_PER_NODE'"
+  torchrun_args=(--max-restarts "$MAX_RESTARTS")
+else
+  if [[ -z ${NPROC_PER_NODE:-} ]]; then
+    NPROC_PER_NODE=$("$PYTHON" -c 'import torch; print(max(torch.cuda.device_count(), 1))')
+  fi
+  is_count "$NPROC_PER_NODE" \
+    || die "NPROC_PER_NODE must be a positive integer (not 'auto'), got '$NPROC_PER_NODE'"
+  NNODES=${NNODES:-1}
+  is_count "$NNODES" || die "NNODES must be a positive integer, got '$NNODES'"
+  if [[ $NNODES == 1 ]]; then
+    torchrun_args=(--standalone --nproc-per-node "$NPROC_PER_NODE")
+  else
+    [[ -n ${MASTER_ADDR:-} ]] || die "NNODES=$NNODES needs MASTER_ADDR (the rank-0 node's address)"
+    NODE_RANK=${NODE_RANK:-0}
+    [[ $NODE_RANK =~ ^[0-9]+$ && $NODE_RANK -lt $NNODES ]] \
+      || die "NODE_RANK must be in 0..$((NNODES - 1)), got '$NODE_RANK'"
+    torchrun_args=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE"
+      --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
+  fi
+  torchrun_args+=(--max-restarts "$MAX_RESTARTS")
+fi
+
+exec "$PYTHON" -m torch.distributed.run "${torchrun_args[@]}" -m app.train "$@"
