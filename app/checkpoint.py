@@ -24,8 +24,15 @@ import numpy as np
 import torch
 
 FORMAT_VERSION = 1
-REQUIRED_KEYS = ("format_version", "model", "optimizer", "scheduler", "precision", "epoch",
-                 "config")
+REQUIRED_KEYS = (
+    "format_version",
+    "model",
+    "optimizer",
+    "scheduler",
+    "precision",
+    "epoch",
+    "config",
+)
 
 
 class CheckpointError(RuntimeError):
@@ -75,14 +82,18 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{path}: not a readable checkpoint, corrupt or truncated? "
-                              f"({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(
+            f"{path}: not a readable checkpoint, corrupt or truncated? "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{path}: not a checkpoint of this trainer (missing {missing})")
     if state["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {state['format_version']}, this "
-                              f"trainer reads format {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{path}: checkpoint format {state['format_version']}, this "
+            f"trainer reads format {FORMAT_VERSION}"
+        )
     return state
 
 
@@ -103,8 +114,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     numpy_state = dict(state["numpy"])
-    numpy_state["state"] = {**numpy_state["state"],
-                            "key": state["numpy"]["state"]["key"].numpy().astype(np.uint32)}
+    numpy_state["state"] = {
+        **numpy_state["state"],
+        "key": state["numpy"]["state"]["key"].numpy().astype(np.uint32),
+    }
     np.random.set_state(numpy_state)
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -123,7 +136,8 @@ def resume_path(resume: str, run_dir: Path) -> Path | None:
         if last.is_file():
             raise CheckpointError(
                 f"{last}: --resume none, but this run dir already has checkpoints; use "
-                "--resume auto to continue it, or a new --output-dir")
+                "--resume auto to continue it, or a new --output-dir"
+            )
         return None
     path = Path(resume)
     if not path.is_file():

@@ -48,7 +48,9 @@ class Config:
         "to [0, 1]",
         "data",
     )
-    augment: bool = _opt(True, "flips, brightness/contrast, noise and blur on training patches", "data")
+    augment: bool = _opt(
+        True, "flips, brightness/contrast, noise and blur on training patches", "data"
+    )
     num_workers: int = _opt(2, "DataLoader worker processes per training process", "data")
 
     # model
@@ -114,7 +116,9 @@ class Config:
         "run",
     )
     eval_only: bool = _opt(False, "evaluate the resumed checkpoint and exit", "run")
-    log_every: int = _opt(20, "steps between progress-bar loss refreshes (one host sync each)", "run")
+    log_every: int = _opt(
+        20, "steps between progress-bar loss refreshes (one host sync each)", "run"
+    )
     log_images: bool = _opt(True, "write slice images to TensorBoard at each validation", "run")
 
     @property
@@ -123,7 +127,9 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples): safe for YAML and for ``torch.load(weights_only)``."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -164,7 +170,7 @@ def _scalar(kind: type, value: Any, where: str) -> Any:
             return float(value)
         except ValueError:
             pass
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ConfigError(f"{where} must be {kind.__name__}, got {value!r}")
     return value
 
@@ -191,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
         elif origin is Literal:
             kwargs["choices"] = list(get_args(hint))
         elif origin is tuple:
-            kwargs.update(type=get_args(hint)[0], nargs=len(get_args(hint)), metavar=("D", "H", "W"))
+            kwargs.update(
+                type=get_args(hint)[0], nargs=len(get_args(hint)), metavar=("D", "H", "W")
+            )
         elif origin is list:
             kwargs.update(type=get_args(hint)[0], nargs="*")
         else:
@@ -220,10 +228,14 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+        raise ConfigError(
+            f"--config {path}: expected a mapping of settings, got {type(data).__name__}"
+        )
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
-        raise ConfigError(f"--config {path}: unknown setting(s) {unknown}; see --help for the names")
+        raise ConfigError(
+            f"--config {path}: unknown setting(s) {unknown}; see --help for the names"
+        )
     return {k: _coerce(k, v, f"--config {path}") for k, v in data.items()}
 
 
@@ -246,25 +258,51 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(f"{_flag(name)} {what}, got {getattr(cfg, name)!r}")
 
-    need(len(cfg.patch_size) == 3 and all(s > 0 for s in cfg.patch_size), "patch_size",
-         "needs three positive sizes D H W")
-    for name in ("samples_per_volume", "f_maps", "epochs", "batch_size", "val_every", "log_every",
-                 "sw_batch_size", "dist_timeout_s"):
+    need(
+        len(cfg.patch_size) == 3 and all(s > 0 for s in cfg.patch_size),
+        "patch_size",
+        "needs three positive sizes D H W",
+    )
+    for name in (
+        "samples_per_volume",
+        "f_maps",
+        "epochs",
+        "batch_size",
+        "val_every",
+        "log_every",
+        "sw_batch_size",
+        "dist_timeout_s",
+    ):
         need(getattr(cfg, name) >= 1, name, "must be at least 1")
     need(cfg.depth >= 2, "depth", "must be at least 2")
+    smallest = 2 ** (cfg.depth - 1)
+    need(
+        min(cfg.patch_size) >= smallest,
+        "patch_size",
+        f"must be at least {smallest} on every axis for --depth {cfg.depth}",
+    )
     need(cfg.num_workers >= 0, "num_workers", "must be 0 or more")
     need(0.0 <= cfg.foreground_fraction <= 1.0, "foreground_fraction", "must be within [0, 1]")
     need(cfg.lr > 0, "lr", "must be positive")
     need(cfg.weight_decay >= 0, "weight_decay", "must be 0 or more")
     need(0 < cfg.gamma <= 1, "gamma", "must be within (0, 1]")
-    need(list(cfg.milestones) == sorted(set(cfg.milestones)) and all(m > 0 for m in cfg.milestones),
-         "milestones", "must be increasing positive epochs")
+    need(
+        list(cfg.milestones) == sorted(set(cfg.milestones)) and all(m > 0 for m in cfg.milestones),
+        "milestones",
+        "must be increasing positive epochs",
+    )
     need(cfg.warmup_epochs >= 0, "warmup_epochs", "must be 0 or more")
-    need(cfg.bce_weight >= 0 and cfg.dice_weight >= 0 and cfg.bce_weight + cfg.dice_weight > 0,
-         "bce_weight", "and --dice-weight must be non-negative and not both zero")
+    need(
+        cfg.bce_weight >= 0 and cfg.dice_weight >= 0 and cfg.bce_weight + cfg.dice_weight > 0,
+        "bce_weight",
+        "and --dice-weight must be non-negative and not both zero",
+    )
     need(0.0 <= cfg.sw_overlap < 1.0, "sw_overlap", "must be within [0, 1)")
-    need(cfg.resume in ("auto", "none") or Path(cfg.resume).suffix == ".pt", "resume",
-         "must be auto, none or a .pt checkpoint path")
+    need(
+        cfg.resume in ("auto", "none") or Path(cfg.resume).suffix == ".pt",
+        "resume",
+        "must be auto, none or a .pt checkpoint path",
+    )
 
 
 def save_config(cfg: Config, path: Path) -> None:
@@ -272,4 +310,3 @@ def save_config(cfg: Config, path: Path) -> None:
 
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     atomic_write_bytes(path, text.encode())
-

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 from app.volume_io import EXTENSIONS, VolumeError, is_volume_file, read_volume, split_ext
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # no PyPI call from every worker
-import albumentations as A  # noqa: E402
+import albumentations as A
 
 SPLITS = {"train": "train_patches", "val": "val_patches"}
 FOREGROUND_SAMPLES = 10_000  # candidate centres kept per volume for foreground oversampling
@@ -85,8 +85,10 @@ def pair_files(split_dir: Path) -> list[tuple[str, Path, Path]]:
     images_dir, labels_dir = split_dir / "images", split_dir / "labels"
     for folder in (images_dir, labels_dir):
         if not folder.is_dir():
-            raise DataError(f"{folder}: folder is missing (expected layout ROOT/{split_dir.name}/"
-                            "{images,labels}/NAME.ext)")
+            raise DataError(
+                f"{folder}: folder is missing (expected layout ROOT/{split_dir.name}/"
+                "{images,labels}/NAME.ext)"
+            )
 
     def index(folder: Path) -> dict[str, Path]:
         found: dict[str, Path] = {}
@@ -102,24 +104,31 @@ def pair_files(split_dir: Path) -> list[tuple[str, Path, Path]]:
         return found
 
     images, labels = index(images_dir), index(labels_dir)
-    problems = [f"{images[n]}: no label named {n}.* in {labels_dir}" for n in images
-                if n not in labels]
-    problems += [f"{labels[n]}: label without an image named {n}.* in {images_dir}" for n in labels
-                 if n not in images]
+    problems = [
+        f"{images[n]}: no label named {n}.* in {labels_dir}" for n in images if n not in labels
+    ]
+    problems += [
+        f"{labels[n]}: label without an image named {n}.* in {images_dir}"
+        for n in labels
+        if n not in images
+    ]
     if problems:
         raise DataError("\n".join(problems))
     return [(name, images[name], labels[name]) for name in images]
 
 
-def load_volume_pair(name: str, image_path: Path, label_path: Path, normalization: str,
-                     rng: np.random.Generator) -> Volume:
+def load_volume_pair(
+    name: str, image_path: Path, label_path: Path, normalization: str, rng: np.random.Generator
+) -> Volume:
     image, _ = read_volume(image_path)
     check_finite(image, image_path)
     label, _ = read_volume(label_path)
     check_finite(label, label_path)
     if image.shape != label.shape:
-        raise VolumeError(f"{image_path}: shape {image.shape} differs from its label "
-                          f"{label_path} with shape {label.shape}")
+        raise VolumeError(
+            f"{image_path}: shape {image.shape} differs from its label "
+            f"{label_path} with shape {label.shape}"
+        )
     label = binarize_label(label, label_path)
     foreground = np.flatnonzero(label)
     if foreground.size > FOREGROUND_SAMPLES:
@@ -181,16 +190,28 @@ class PatchDataset(Dataset):
     so they see it).
     """
 
-    def __init__(self, volumes: list[Volume], patch_size: tuple[int, int, int],
-                 samples_per_volume: int, foreground_fraction: float, augment: bool, seed: int):
+    def __init__(
+        self,
+        volumes: list[Volume],
+        patch_size: tuple[int, int, int],
+        samples_per_volume: int,
+        foreground_fraction: float,
+        augment: bool,
+        seed: int,
+    ):
         self.patch_size = tuple(patch_size)
         self.volumes = []
         for vol in volumes:
             if any(a < p for a, p in zip(vol.image.shape, self.patch_size)):
-                pad = A.PadIfNeeded3D(min_zyx=self.patch_size, position="center",
-                                      fill=float(vol.image.min()), fill_mask=0, p=1.0)
+                pad = A.PadIfNeeded3D(
+                    min_zyx=self.patch_size,
+                    position="center",
+                    fill=float(vol.image.min()),
+                    fill_mask=0,
+                    p=1.0,
+                )
                 out = pad(volume=vol.image, mask3d=vol.label)
-                foreground = np.flatnonzero(out["mask3d"])[: FOREGROUND_SAMPLES]
+                foreground = np.flatnonzero(out["mask3d"])[:FOREGROUND_SAMPLES]
                 vol = Volume(vol.name, out["volume"], out["mask3d"], vol.image_path, foreground)
             self.volumes.append(vol)
         self.samples_per_volume = samples_per_volume
@@ -219,5 +240,7 @@ class PatchDataset(Dataset):
         image, label = vol.image[window], vol.label[window]
         if self.augment is not None:
             image, label = self.augment(image, label, rng)
-        return (torch.from_numpy(np.ascontiguousarray(image))[None],
-                torch.from_numpy(label.astype(np.float32))[None])
+        return (
+            torch.from_numpy(np.ascontiguousarray(image))[None],
+            torch.from_numpy(label.astype(np.float32))[None],
+        )

@@ -57,8 +57,10 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise ConfigError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) "
-                          "are visible; lower NPROC_PER_NODE")
+        raise ConfigError(
+            f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) "
+            "are visible; lower NPROC_PER_NODE"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -72,8 +74,10 @@ def init_distributed(cfg: Config) -> DistEnv:
     if world_size > 1:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if not os.environ.get(name):
-                raise ConfigError(f"WORLD_SIZE={world_size} but {name} is not set; start with "
-                                  "launch.sh (torchrun), which sets it")
+                raise ConfigError(
+                    f"WORLD_SIZE={world_size} but {name} is not set; start with "
+                    "launch.sh (torchrun), which sets it"
+                )
         backend = cfg.dist_backend
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -153,8 +157,9 @@ class ApexParallel:
         return self.parallel.DistributedDataParallel(model, delay_allreduce=True)
 
 
-def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-            env: DistEnv) -> tuple[nn.Module, torch.optim.Optimizer]:
+def prepare(
+    model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, env: DistEnv
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """SyncBN -> AMP -> DDP, the order of the original recipe (and of apex's requirements).
 
     The model must already be on ``env.device`` and ``optimizer`` built over its parameters.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -50,7 +52,7 @@ class UNet3d(nn.Module):
             raise ValueError(f"depth must be at least 2, got {depth}")
         widths = [f_maps * 2**i for i in range(depth)]
         self.encoders = nn.ModuleList([DoubleConv(n_channels, widths[0])])
-        self.encoders.extend(DoubleConv(a, b) for a, b in zip(widths, widths[1:]))
+        self.encoders.extend(DoubleConv(a, b) for a, b in itertools.pairwise(widths))
         self.decoders = nn.ModuleList(Up(a, b) for a, b in zip(widths[::-1], widths[-2::-1]))
         self.pool = nn.MaxPool3d(2)
         self.head = nn.Conv3d(widths[0], n_classes, kernel_size=1)
@@ -62,8 +64,10 @@ class UNet3d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if any(s < self.min_size for s in x.shape[-3:]):
-            raise ValueError(f"input {tuple(x.shape[-3:])} is smaller than {self.min_size} voxels "
-                             f"on an axis; this depth needs at least {self.min_size}")
+            raise ValueError(
+                f"input {tuple(x.shape[-3:])} is smaller than {self.min_size} voxels "
+                f"on an axis; this depth needs at least {self.min_size}"
+            )
         skips = []
         for i, encoder in enumerate(self.encoders):
             x = encoder(x if i == 0 else self.pool(x))

@@ -4,15 +4,15 @@ The flags are resolved once, by :func:`build_precision`, into an object with
 ``autocast() / initialize() / backward() / step() / state_dict() / load_state_dict()``; the
 training loop calls those and never asks which backend it has.
 
-=========  ==============================================  ==========================================
-opt level  native (torch.amp)                              apex (apex.amp, tags <= 25.05 only)
-=========  ==============================================  ==========================================
-O0         fp32                                            fp32
-O1         autocast: fp16 + dynamic GradScaler,            patched functions, dynamic loss scale
+=========  ============================================  =========================================
+opt level  native (torch.amp)                            apex (apex.amp, tags <= 25.05 only)
+=========  ============================================  =========================================
+O0         fp32                                          fp32
+O1         autocast: fp16 + dynamic GradScaler,          patched functions, dynamic loss scale
            or bf16 without a scaler
-O2         not offered: a clear error                      fp16 model, fp32 BN and master weights
-O3         pure half model, no scaling (speed baseline)    pure fp16
-=========  ==============================================  ==========================================
+O2         not offered: a clear error                    fp16 model, fp32 BN and master weights
+O3         pure half model, no scaling (speed baseline)  pure fp16
+=========  ============================================  =========================================
 
 The fp32 op registry (``--fp32-ops``, default sigmoid and softmax): with apex each op is
 registered with ``amp.register_float_function`` before ``amp.initialize``; natively the loss,
@@ -102,8 +102,12 @@ class NativePrecision:
         self.scaler.update()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "opt_level": self.opt_level, "dtype": self.dtype_name,
-                "scaler": self.scaler.state_dict()}
+        return {
+            "backend": self.backend,
+            "opt_level": self.opt_level,
+            "dtype": self.dtype_name,
+            "scaler": self.scaler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_same_precision(state, self.state_dict())
@@ -146,8 +150,12 @@ class ApexPrecision:
         optimizer.step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "opt_level": self.opt_level, "dtype": self.dtype_name,
-                "amp": dict(self.amp.state_dict())}
+        return {
+            "backend": self.backend,
+            "opt_level": self.opt_level,
+            "dtype": self.dtype_name,
+            "amp": dict(self.amp.state_dict()),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Call after :meth:`initialize`, as apex requires."""
@@ -160,8 +168,9 @@ Precision = NativePrecision | ApexPrecision
 
 def _cast_inputs_hook(dtype: torch.dtype):
     def hook(module: torch.nn.Module, args: tuple) -> tuple:
-        return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
-                     for a in args)
+        return tuple(
+            a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args
+        )
 
     return hook
 
@@ -190,7 +199,9 @@ def import_apex(module: str):
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ConfigError(f"--amp-backend apex: cannot import {module} ({exc}). {APEX_HELP}") from exc
+        raise ConfigError(
+            f"--amp-backend apex: cannot import {module} ({exc}). {APEX_HELP}"
+        ) from exc
 
 
 def resolve_dtype(cfg: Config, device_type: str) -> torch.dtype:
@@ -204,11 +215,15 @@ def build_precision(cfg: Config, device: torch.device) -> Precision:
     configure_fp32_ops(cfg.fp32_ops)
     if cfg.amp_backend == "apex":
         if device.type != "cuda":
-            raise ConfigError("--amp-backend apex needs CUDA; on CPU use --amp-backend native "
-                              "(bf16 autocast with --opt-level O1)")
+            raise ConfigError(
+                "--amp-backend apex needs CUDA; on CPU use --amp-backend native "
+                "(bf16 autocast with --opt-level O1)"
+            )
         if cfg.amp_dtype != "auto" and cfg.amp_dtype != "float16":
-            raise ConfigError(f"--amp-dtype {cfg.amp_dtype} is for --amp-backend native only; "
-                              "apex computes in float16")
+            raise ConfigError(
+                f"--amp-dtype {cfg.amp_dtype} is for --amp-backend native only; "
+                "apex computes in float16"
+            )
         return ApexPrecision(cfg.opt_level, cfg.fp32_ops)
     if cfg.opt_level == "O2":
         raise ConfigError(

@@ -60,13 +60,23 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRSchedule
     multistep = MultiStepLR(optimizer, milestones=list(cfg.milestones), gamma=cfg.gamma)
     if not cfg.warmup_epochs:
         return multistep
-    warmup = LinearLR(optimizer, start_factor=1.0 / (cfg.warmup_epochs + 1),
-                      total_iters=cfg.warmup_epochs)
+    warmup = LinearLR(
+        optimizer, start_factor=1.0 / (cfg.warmup_epochs + 1), total_iters=cfg.warmup_epochs
+    )
     return ChainedScheduler([warmup, multistep], optimizer=optimizer)
 
 
-def train_one_epoch(model, loader, optimizer, precision: Precision, loss_fn, tracker, env: DistEnv,
-                    epoch: int, epochs: int) -> tuple[float, int]:
+def train_one_epoch(
+    model,
+    loader,
+    optimizer,
+    precision: Precision,
+    loss_fn,
+    tracker,
+    env: DistEnv,
+    epoch: int,
+    epochs: int,
+) -> tuple[float, int]:
     """Mean loss over every step of every rank, and the samples all ranks saw.
 
     The loss is accumulated on the device and reduced once, after the loop: no per-step host
@@ -92,12 +102,29 @@ def train_one_epoch(model, loader, optimizer, precision: Precision, loss_fn, tra
 
 
 def run_evaluation(model, val_volumes, loss_fn, precision, env: DistEnv, cfg: Config):
-    return evaluate(unwrap(model), val_volumes, loss_fn, precision, env, tuple(cfg.patch_size),
-                    cfg.val_mode, cfg.sw_overlap, cfg.sw_batch_size)
+    return evaluate(
+        unwrap(model),
+        val_volumes,
+        loss_fn,
+        precision,
+        env,
+        tuple(cfg.patch_size),
+        cfg.val_mode,
+        cfg.sw_overlap,
+        cfg.sw_batch_size,
+    )
 
 
-def checkpoint_state(model, optimizer, scheduler, precision: Precision, epoch: int,
-                     best_dice: float, record: dict[str, Any], cfg: Config) -> dict[str, Any]:
+def checkpoint_state(
+    model,
+    optimizer,
+    scheduler,
+    precision: Precision,
+    epoch: int,
+    best_dice: float,
+    record: dict[str, Any],
+    cfg: Config,
+) -> dict[str, Any]:
     return {
         "format_version": 1,
         "model": unwrap(model).state_dict(),
@@ -116,10 +143,22 @@ def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
     import json
 
     dice_v, iou_v = result.per_volume
-    report = {"epoch": epoch, **result.summary(), "volumes": [
-        {"name": n, "dice": float(d), "iou": float(i), "loss": float(row[3]),
-         "tp": int(row[0]), "fp": int(row[1]), "fn": int(row[2])}
-        for n, d, i, row in zip(result.names, dice_v, iou_v, result.table)]}
+    report = {
+        "epoch": epoch,
+        **result.summary(),
+        "volumes": [
+            {
+                "name": n,
+                "dice": float(d),
+                "iou": float(i),
+                "loss": float(row[3]),
+                "tp": int(row[0]),
+                "fp": int(row[1]),
+                "fn": int(row[2]),
+            }
+            for n, d, i, row in zip(result.names, dice_v, iou_v, result.table)
+        ],
+    }
     atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
 
 
@@ -129,22 +168,38 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
     # decided on the primary rank so that every rank resumes from the same file
     resume_from = broadcast_object(resume_path(cfg.resume, cfg.run_dir) if env.is_primary else None)
     if cfg.eval_only and resume_from is None:
-        raise ConfigError(f"--eval-only needs a checkpoint: {cfg.run_dir}/checkpoints/last.pt does "
-                          "not exist; pass --resume PATH or the --output-dir of a trained run")
+        raise ConfigError(
+            f"--eval-only needs a checkpoint: {cfg.run_dir}/checkpoints/last.pt does "
+            "not exist; pass --resume PATH or the --output-dir of a trained run"
+        )
 
-    train_volumes = [] if cfg.eval_only else load_split(cfg.data_root, "train", cfg.normalization,
-                                                        cfg.seed)
+    train_volumes = (
+        [] if cfg.eval_only else load_split(cfg.data_root, "train", cfg.normalization, cfg.seed)
+    )
     val_volumes = load_split(cfg.data_root, "val", cfg.normalization, cfg.seed)
-    train_set = PatchDataset(train_volumes, cfg.patch_size, cfg.samples_per_volume,
-                             cfg.foreground_fraction, cfg.augment, cfg.seed)
-    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank,
-                                 shuffle=True, seed=cfg.seed)
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler,
-                        num_workers=cfg.num_workers, pin_memory=env.device.type == "cuda")
+    train_set = PatchDataset(
+        train_volumes,
+        cfg.patch_size,
+        cfg.samples_per_volume,
+        cfg.foreground_fraction,
+        cfg.augment,
+        cfg.seed,
+    )
+    sampler = DistributedSampler(
+        train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed
+    )
+    loader = DataLoader(
+        train_set,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=env.device.type == "cuda",
+    )
 
     model = UNet3d(n_channels=1, n_classes=1, f_maps=cfg.f_maps, depth=cfg.depth).to(env.device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=scaled_lr(cfg, env.world_size),
-                                 weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=scaled_lr(cfg, env.world_size), weight_decay=cfg.weight_decay
+    )
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = prepare(model, optimizer, precision, env)
     loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
@@ -158,12 +213,19 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
         precision.load_state_dict(state["precision"])  # after initialize(), as apex requires
         set_rng_state(state["rng"])
         start_epoch, best_dice = state["epoch"], state["best_dice"]
-        log.info("resumed from %s at epoch %d (best dice %.4f)", resume_from, start_epoch,
-                 best_dice)
+        log.info(
+            "resumed from %s at epoch %d (best dice %.4f)", resume_from, start_epoch, best_dice
+        )
 
-    log.info("world size %d on %s; %s; %d train / %d val volumes; %.2fM parameters",
-             env.world_size, env.device, precision.describe(), len(train_volumes),
-             len(val_volumes), sum(p.numel() for p in model.parameters()) / 1e6)
+    log.info(
+        "world size %d on %s; %s; %d train / %d val volumes; %.2fM parameters",
+        env.world_size,
+        env.device,
+        precision.describe(),
+        len(train_volumes),
+        len(val_volumes),
+        sum(p.numel() for p in model.parameters()) / 1e6,
+    )
 
     if cfg.eval_only:
         result, _ = run_evaluation(model, val_volumes, loss_fn, precision, env, cfg)
@@ -182,8 +244,9 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
         train_set.set_epoch(epoch)
         started = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
-        train_loss, samples = train_one_epoch(model, loader, optimizer, precision, loss_fn,
-                                              tracker, env, epoch, cfg.epochs)
+        train_loss, samples = train_one_epoch(
+            model, loader, optimizer, precision, loss_fn, tracker, env, epoch, cfg.epochs
+        )
         train_time = time.perf_counter() - started
         scheduler.step()  # milestones are epochs
 
@@ -193,16 +256,20 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
             result, sample = run_evaluation(model, val_volumes, loss_fn, precision, env, cfg)
             record.update(result.summary())
         voxels = samples * math.prod(cfg.patch_size)
-        record.update(epoch_time_s=time.perf_counter() - started,
-                      samples_per_s=samples / train_time, voxels_per_s=voxels / train_time,
-                      world_size=env.world_size)
+        record.update(
+            epoch_time_s=time.perf_counter() - started,
+            samples_per_s=samples / train_time,
+            voxels_per_s=voxels / train_time,
+            world_size=env.world_size,
+        )
         tracker.log_epoch(record, sample)
 
         improved = record.get("dice", -1.0) > best_dice
         best_dice = max(best_dice, record.get("dice", -1.0))
         if env.is_primary:
-            state = checkpoint_state(model, optimizer, scheduler, precision, epoch, best_dice,
-                                     record, cfg)
+            state = checkpoint_state(
+                model, optimizer, scheduler, precision, epoch, best_dice, record, cfg
+            )
             save_checkpoint(checkpoint_dir(cfg.run_dir) / "last.pt", state)
             if improved:
                 save_checkpoint(checkpoint_dir(cfg.run_dir) / "best.pt", state)
@@ -210,8 +277,13 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
 
     tracker.finish(record)
     if env.is_primary and record:
-        log.info("finished epoch %d: val dice %.4f (best %.4f), iou %.4f", record["epoch"],
-                 record.get("dice", float("nan")), best_dice, record.get("iou", float("nan")))
+        log.info(
+            "finished epoch %d: val dice %.4f (best %.4f), iou %.4f",
+            record["epoch"],
+            record.get("dice", float("nan")),
+            best_dice,
+            record.get("iou", float("nan")),
+        )
     return record
 
 
