@@ -30,8 +30,14 @@ def blob_volume(shape, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray
     return image.astype(np.float32), label.astype(np.uint8)
 
 
-def write_dataset(root: Path, n_train: int = 3, n_val: int = 3, shape=(16, 32, 32),
-                  ext: str = ".nii.gz", seed: int = 0) -> Path:
+def write_dataset(
+    root: Path,
+    n_train: int = 3,
+    n_val: int = 3,
+    shape=(16, 32, 32),
+    ext: str = ".nii.gz",
+    seed: int = 0,
+) -> Path:
     rng = np.random.default_rng(seed)
     for split, count in (("train_patches", n_train), ("val_patches", n_val)):
         for kind in ("images", "labels"):
@@ -55,8 +61,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-TINY = ["--patch-size", "16", "32", "32", "--f-maps", "4", "--depth", "3", "--batch-size", "2",
-        "--samples-per-volume", "2", "--num-workers", "0", "--device", "cpu", "--log-every", "1"]
+TINY = [
+    "--patch-size",
+    "16",
+    "32",
+    "32",
+    "--f-maps",
+    "4",
+    "--depth",
+    "3",
+    "--batch-size",
+    "2",
+    "--samples-per-volume",
+    "2",
+    "--num-workers",
+    "0",
+    "--device",
+    "cpu",
+    "--log-every",
+    "1",
+]
 
 
 @pytest.fixture
