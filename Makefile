@@ -22,7 +22,7 @@ $(DEMO_DATA)/.complete: datasets/make_synthetic.py | $(STAMP)
 
 demo: $(STAMP) $(DEMO_DATA)/.complete
 	NPROC_PER_NODE=2 PYTHON=$(PY) bash launch.sh --config configs/demo.yaml \
-		--data-root $(DEMO_DATA) --output-dir $(DEMO_RUN) --resume none
+		--data-root $(DEMO_DATA) --output-dir $(DEMO_RUN) --resume auto
 	$(PY) -m app.report $(DEMO_RUN)
 	@echo "Open TensorBoard with: $(VENV)/bin/tensorboard --logdir $(DEMO_RUN)/tensorboard"
 

@@ -123,6 +123,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete temporary files that a writer killed mid-write left behind (never a checkpoint)."""
+    stale = sorted(folder.glob(".*.pt.*.tmp")) if folder.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 

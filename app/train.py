@@ -23,6 +23,7 @@ from app.checkpoint import (
     atomic_write_bytes,
     checkpoint_dir,
     load_checkpoint,
+    remove_stale_temporaries,
     resume_path,
     rng_state,
     save_checkpoint,
@@ -164,6 +165,8 @@ def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
 
 def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
+    # fixed patch and window sizes: let cuDNN pick the fastest 3D convolution algorithms once
+    torch.backends.cudnn.benchmark = env.device.type == "cuda"
     precision = build_precision(cfg, env.device)
     # decided on the primary rank so that every rank resumes from the same file
     resume_from = broadcast_object(resume_path(cfg.resume, cfg.run_dir) if env.is_primary else None)
@@ -238,6 +241,8 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
     tracker = make_tracker(cfg, env, start_epoch)
     if env.is_primary:
         save_config(cfg, cfg.run_dir / "config.yaml")
+        for path in remove_stale_temporaries(checkpoint_dir(cfg.run_dir)):
+            log.info("removed %s, left by a checkpoint write that was interrupted", path)
     record: dict[str, Any] = {}
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         sampler.set_epoch(epoch)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, write_dataset
 
-from app.checkpoint import load_checkpoint, save_checkpoint
+from app.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
 from app.train import main
 
 TIMING = ("epoch_time_s", "samples_per_s", "voxels_per_s")
@@ -189,6 +189,8 @@ def test_a_checkpoint_killed_while_writing_leaves_the_previous_one(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT)
     assert result.returncode == -signal.SIGKILL
     assert torch.equal(torch.load(path, weights_only=True)["weights"], good["weights"])
+    leftovers = remove_stale_temporaries(tmp_path)  # what the trainer does at start
+    assert len(leftovers) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
 
 
 def test_load_checkpoint_checks_the_contents(tmp_path):
