@@ -8,20 +8,19 @@ opt level, dtype, and the GradScaler or apex ``amp`` state), ``epoch`` (epochs c
 ``best_dice``, ``metrics`` (that epoch's record), ``config`` and ``rng`` (torch, CUDA, numpy and
 Python generator states).
 
-Writes go to a temporary file in the same folder, are flushed to disk, then renamed over the
-target with ``os.replace``: a writer killed at any point leaves the previous file intact.
+Writes are atomic (``app.atomic``): a writer killed at any point leaves the previous file intact.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from app.atomic import atomic_write
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = (
@@ -37,38 +36,6 @@ REQUIRED_KEYS = (
 
 class CheckpointError(RuntimeError):
     """A checkpoint is unusable; the message names the file."""
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path | str, write) -> None:
-    """Call ``write(file_object)`` on a temporary file, then rename it to ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: Path | str, data: bytes) -> None:
-    atomic_write(path, lambda f: f.write(data))
 
 
 def save_checkpoint(path: Path | str, state: dict[str, Any]) -> None:

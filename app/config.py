@@ -306,7 +306,7 @@ def validate(cfg: Config) -> None:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    from app.checkpoint import atomic_write_bytes
+    from app.atomic import atomic_write_bytes
 
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     atomic_write_bytes(path, text.encode())

@@ -64,6 +64,18 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The launcher's key-value store, under a prefix unique to this torchrun restart.
+
+    After an elastic restart the store can still hold the previous attempt's keys, among them
+    the gloo addresses of the dead workers; a new rank that reads one before its peer rewrites it
+    fails with "connectFullMesh ... Connection refused". A per-attempt prefix rules that out.
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"irongrain/attempt_{attempt}", store)
+
+
 def init_distributed(cfg: Config) -> DistEnv:
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -85,11 +97,13 @@ def init_distributed(cfg: Config) -> DistEnv:
             raise ConfigError("--dist-backend nccl needs CUDA; use gloo on CPU")
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
         dist.init_process_group(
             backend,
+            store=restart_store(rank, world_size, timeout),
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),
+            timeout=timeout,
             device_id=device if backend == "nccl" else None,
         )
     elif device.type == "cuda":
@@ -127,6 +141,17 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
+    """Give every rank the buffers (BatchNorm running statistics) of rank ``src``.
+
+    Without SyncBN (on CPU) each rank's running statistics follow its own batches, so ranks
+    would otherwise validate slightly different models from the one rank 0 saves.
+    """
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -17,7 +17,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
-from app.checkpoint import atomic_write_bytes
+from app.atomic import atomic_write_bytes
 from app.config import Config
 from app.distributed import DistEnv
 from app.validation import SliceSample
@@ -43,12 +43,18 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._truncate_metrics(resumed_epoch)
         # purge_step drops events of an epoch that was interrupted before its checkpoint
-        self.writer = SummaryWriter(self.run_dir / "tensorboard",
-                                    purge_step=resumed_epoch + 1 if resumed_epoch else None)
-        self.writer.add_text("config", "```\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-                             + "```", global_step=resumed_epoch)
-        self.hparams = {k: (" ".join(map(str, v)) if isinstance(v, (list, tuple)) else v)
-                        for k, v in cfg.to_dict().items()}
+        self.writer = SummaryWriter(
+            self.run_dir / "tensorboard", purge_step=resumed_epoch + 1 if resumed_epoch else None
+        )
+        self.writer.add_text(
+            "config",
+            "```\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False) + "```",
+            global_step=resumed_epoch,
+        )
+        self.hparams = {
+            k: (" ".join(map(str, v)) if isinstance(v, (list, tuple)) else v)
+            for k, v in cfg.to_dict().items()
+        }
 
     def _truncate_metrics(self, resumed_epoch: int) -> None:
         """Keep the records of completed (checkpointed) epochs only, so a resumed run continues
@@ -60,8 +66,9 @@ class Tracker:
             atomic_write_bytes(self.metrics_path, text.encode())
 
     def progress(self, iterable: Iterable, epoch: int, epochs: int) -> tqdm:
-        return tqdm(iterable, desc=f"epoch {epoch}/{epochs}", unit="step", dynamic_ncols=True,
-                    leave=False)
+        return tqdm(
+            iterable, desc=f"epoch {epoch}/{epochs}", unit="step", dynamic_ncols=True, leave=False
+        )
 
     def show_loss(self, bar: tqdm, step: int, running_loss) -> None:
         """Refresh the bar's loss every ``log_every`` steps: one host sync each, primary only."""
@@ -78,18 +85,26 @@ class Tracker:
             if record.get(key) is not None:
                 self.writer.add_scalar(key, record[key], epoch)
         if sample is not None and self.log_images:
-            for tag, image in (("image", sample.image), ("label", sample.label),
-                               ("prediction", sample.prediction)):
-                self.writer.add_image(f"val/{sample.name}/{tag}", _to_unit(image), epoch,
-                                      dataformats="HW")
+            self.writer.add_image(
+                f"val/{sample.name}", montage(sample, epoch), epoch, dataformats="HWC"
+            )
         self.writer.flush()
-        log.info("epoch %d: %s", epoch, ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
-            if k != "epoch"))
+        log.info(
+            "epoch %d: %s",
+            epoch,
+            ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in record.items()
+                if k != "epoch"
+            ),
+        )
 
     def finish(self, final: dict[str, Any]) -> None:
-        metrics = {f"hparam/{k}": v for k, v in final.items()
-                   if k in ("dice", "iou", "val_loss") and v is not None}
+        metrics = {
+            f"hparam/{k}": v
+            for k, v in final.items()
+            if k in ("dice", "iou", "val_loss") and v is not None
+        }
         if metrics:
             self.writer.add_hparams(self.hparams, metrics, run_name=".")
         self.writer.close()
@@ -115,7 +130,16 @@ def make_tracker(cfg: Config, env: DistEnv, resumed_epoch: int) -> Tracker | Nul
     return Tracker(cfg, env, resumed_epoch) if env.is_primary else NullTracker()
 
 
-def _to_unit(image: np.ndarray) -> np.ndarray:
-    image = image.astype(np.float32)
-    low, high = float(image.min()), float(image.max())
-    return (image - low) / (high - low) if high > low else np.zeros_like(image)
+def montage(sample: SliceSample, epoch: int) -> np.ndarray:
+    """The sample's slices, ground truth and prediction outlined, as one RGB (H, W, 3) image."""
+    from app.report import montage_figure  # matplotlib, only when images are logged
+
+    title = f"{sample.name}, epoch {epoch}, Dice {sample.dice:.3f}"
+    return montage_figure(
+        sample.image,
+        sample.label,
+        sample.prediction,
+        title,
+        n_slices=len(sample.z),
+        z_labels=sample.z,
+    )

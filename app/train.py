@@ -18,9 +18,9 @@ import torch
 from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, MultiStepLR
 from torch.utils.data import DataLoader, DistributedSampler
 
+from app.atomic import atomic_write_bytes
 from app.checkpoint import (
     CheckpointError,
-    atomic_write_bytes,
     checkpoint_dir,
     load_checkpoint,
     remove_stale_temporaries,
@@ -34,6 +34,7 @@ from app.data import DataError, PatchDataset, load_split
 from app.distributed import (
     DistEnv,
     barrier,
+    broadcast_buffers,
     broadcast_object,
     distributed_session,
     prepare,
@@ -103,6 +104,7 @@ def train_one_epoch(
 
 
 def run_evaluation(model, val_volumes, loss_fn, precision, env: DistEnv, cfg: Config):
+    broadcast_buffers(unwrap(model))  # every rank evaluates the model that rank 0 saves
     return evaluate(
         unwrap(model),
         val_volumes,

@@ -43,19 +43,42 @@ class EvalResult:
     def summary(self) -> dict[str, float]:
         dice, iou = self.global_dice_iou
         dice_v, iou_v = self.per_volume
-        return {"val_loss": self.loss, "dice": dice, "iou": iou,
-                "dice_per_volume_mean": float(dice_v.mean()),
-                "iou_per_volume_mean": float(iou_v.mean())}
+        return {
+            "val_loss": self.loss,
+            "dice": dice,
+            "iou": iou,
+            "dice_per_volume_mean": float(dice_v.mean()),
+            "iou_per_volume_mean": float(iou_v.mean()),
+        }
 
 
 @dataclass
 class SliceSample:
-    """Middle z-slice of one validation volume, for TensorBoard."""
+    """A few z-slices through the foreground of one validation volume, for the montage that
+    TensorBoard shows every epoch (``app.report.montage_figure``)."""
 
     name: str
-    image: np.ndarray
+    z: list[int]
+    image: np.ndarray  # (len(z), H, W)
     label: np.ndarray
     prediction: np.ndarray
+    dice: float
+
+
+MONTAGE_SLICES = 4  # z-slices per validation sample: a cheap montage every epoch
+
+
+def pick_slices(label: np.ndarray, prediction: np.ndarray, n: int) -> list[int]:
+    """Up to ``n`` evenly spaced z indices inside the z-range where label or prediction has
+    foreground (the whole depth when both are empty), endpoints excluded; all when ``n >= D``."""
+    depth = label.shape[0]
+    if n >= depth:
+        return list(range(depth))
+    occupied = np.flatnonzero(
+        (np.asarray(label) > 0).any((1, 2)) | (np.asarray(prediction) > 0).any((1, 2))
+    )
+    low, high = (int(occupied[0]), int(occupied[-1])) if occupied.size else (0, depth - 1)
+    return sorted(set(np.linspace(low, high, n + 2)[1:-1].round().astype(int).tolist()))
 
 
 def shard(items: list, env: DistEnv) -> list[int]:
@@ -63,9 +86,17 @@ def shard(items: list, env: DistEnv) -> list[int]:
     return list(range(env.rank, len(items), env.world_size))
 
 
-def evaluate(model: nn.Module, volumes: list[Volume], loss_fn: BCEDiceLoss, precision: Precision,
-             env: DistEnv, window: tuple[int, int, int], mode: str, overlap: float,
-             sw_batch_size: int) -> tuple[EvalResult, SliceSample | None]:
+def evaluate(
+    model: nn.Module,
+    volumes: list[Volume],
+    loss_fn: BCEDiceLoss,
+    precision: Precision,
+    env: DistEnv,
+    window: tuple[int, int, int],
+    mode: str,
+    overlap: float,
+    sw_batch_size: int,
+) -> tuple[EvalResult, SliceSample | None]:
     """Evaluate the unwrapped ``model`` (a DDP wrapper would broadcast buffers on every forward,
     a collective that ranks with different shard sizes would not all reach)."""
     blend, overlap = ("gaussian", overlap) if mode == "whole" else ("constant", 0.0)
@@ -80,9 +111,10 @@ def evaluate(model: nn.Module, volumes: list[Volume], loss_fn: BCEDiceLoss, prec
         table[index, :3] = confusion_counts(logits, label)
         table[index, 3] = loss_fn(logits, label).double()
         if sample is None:
-            middle = vol.image.shape[0] // 2
-            pred = (logits[0, 0, middle] > 0).cpu().numpy()  # sigmoid > 0.5 <=> logit > 0
-            sample = SliceSample(vol.name, vol.image[middle], vol.label[middle], pred)
+            pred = (logits[0, 0] > 0).cpu().numpy()  # sigmoid > 0.5 <=> logit > 0
+            z = pick_slices(vol.label, pred, MONTAGE_SLICES)
+            dice = float(dice_iou(table[index, :3])[0])
+            sample = SliceSample(vol.name, z, vol.image[z], vol.label[z], pred[z], dice)
     model.train(was_training)
     reduce_tensor(table)
     return EvalResult([v.name for v in volumes], table.cpu()), sample

@@ -6,13 +6,13 @@ can be written back in its own format with its own NIfTI affine and header.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from app.atomic import atomic_path
 
 EXTENSIONS = (".nii.gz", ".nii", ".tif", ".tiff", ".npy")
 
@@ -76,10 +76,7 @@ def read_volume(path: Path | str) -> tuple[np.ndarray, VolumeMeta]:
 
 def write_volume(path: Path | str, array: np.ndarray, meta: VolumeMeta) -> None:
     """Write atomically (temporary file in the same folder, then rename) in ``meta``'s format."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=meta.ext)
-    os.close(fd)
-    try:
+    with atomic_path(path, suffix=meta.ext) as tmp:
         if meta.ext in (".nii", ".nii.gz"):
             import nibabel as nib
 
@@ -94,7 +91,3 @@ def write_volume(path: Path | str, array: np.ndarray, meta: VolumeMeta) -> None:
         else:
             with open(tmp, "wb") as f:
                 np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

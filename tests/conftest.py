@@ -12,10 +12,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+# Tiny tensors: one thread is much faster than two competing for 2 cores, in this process and in
+# the trainers that tests start (torchrun sets the same for its workers).
+os.environ["OMP_NUM_THREADS"] = "1"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 from app.volume_io import VolumeMeta, write_volume  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 def blob_volume(shape, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

@@ -179,7 +179,7 @@ def test_a_checkpoint_killed_while_writing_leaves_the_previous_one(tmp_path):
     save_checkpoint(path, good)
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from app.checkpoint import atomic_write
+        from app.atomic import atomic_write
         def write(f):
             f.write(b"partial checkpoint bytes" * 1000)
             f.flush()

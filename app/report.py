@@ -1,0 +1,345 @@
+"""Pictures of a training run: ``python -m app.report RUN_DIR`` writes ``RUN_DIR/report/``.
+
+- ``curves.png``: train and validation loss, validation Dice and IoU (global, from summed counts;
+  the per-volume mean dashed), the learning rate and the throughput, per epoch, from
+  ``metrics.jsonl``; the best epoch (highest Dice) is marked.
+- ``montage_NAME.png`` for the first ``--volumes`` validation volumes (by name): evenly spaced
+  axial (z) slices through the foreground, the image in grey, the ground-truth outline and the
+  prediction outline in two colours, the volume's Dice in the title. The prediction is the one
+  ``app.predict`` makes (same checkpoint, preprocessing, windows and threshold), so the Dice is
+  the one the trainer reports for that volume.
+
+:func:`montage_figure` also draws the montage TensorBoard shows at each validation
+(``app.tracking``). Figures are drawn with matplotlib's Agg canvas (no display needed) and
+written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from app.atomic import atomic_write_bytes
+from app.checkpoint import CheckpointError
+from app.config import ConfigError
+from app.data import SPLITS, DataError, load_volume_pair, pair_files
+from app.metrics import confusion_counts, dice_iou
+from app.precision import sigmoid
+from app.predict import HelpFormatter, load_predictor
+from app.tracking import read_metrics
+from app.validation import pick_slices
+from app.volume_io import VolumeError
+
+GROUND_TRUTH_COLOUR = "#00d0ff"  # cyan and orange: apart for the common colour blindnesses
+PREDICTION_COLOUR = "#ff8c00"
+PANEL_INCHES = 2.4
+DPI = 100
+
+
+class ReportError(ValueError):
+    """The run directory is unusable; the message names the file."""
+
+
+# ----------------------------------------------------------------------------- drawing
+def _canvas(fig) -> np.ndarray:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def _png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    buffer = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buffer)
+    return buffer.getvalue()
+
+
+def montage_figure(
+    image: np.ndarray,
+    label: np.ndarray,
+    prediction: np.ndarray,
+    title: str,
+    n_slices: int = 8,
+    z_labels: list[int] | None = None,
+) -> np.ndarray:
+    """RGB ``(H, W, 3)`` uint8 montage of up to ``n_slices`` z-slices of ``(D, H, W)`` arrays.
+
+    Slices are evenly spaced through the z-range holding foreground (label or prediction);
+    ``z_labels`` names the slices of a stack that is itself a subset of a volume (the
+    TensorBoard sample); otherwise a slice is named by its index.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    image, label, prediction = (np.asarray(a) for a in (image, label, prediction))
+    if image.ndim != 3 or image.shape != label.shape or image.shape != prediction.shape:
+        raise ValueError(
+            f"montage_figure needs three (D, H, W) arrays of one shape, got "
+            f"{image.shape}, {label.shape}, {prediction.shape}"
+        )
+    label, prediction = label > 0.5, prediction > 0.5
+    picks = pick_slices(label, prediction, max(1, n_slices))
+    names = z_labels if z_labels is not None else list(range(image.shape[0]))
+    low, high = np.percentile(image[picks], (0.5, 99.5))
+
+    cols = min(len(picks), 4)
+    rows = math.ceil(len(picks) / cols)
+    height, width = image.shape[1:]
+    panel_w = PANEL_INCHES
+    panel_h = PANEL_INCHES * min(max(height / width, 0.25), 4.0)
+    gap, caption, top, bottom = 0.08, 0.25, 0.45, 0.35  # inches
+    fig_w = cols * (panel_w + gap) + gap
+    fig_h = top + rows * (panel_h + caption) + bottom
+    fig = Figure(figsize=(fig_w, fig_h), dpi=DPI)
+    fig.suptitle(title, fontsize=10, y=1 - 0.12 / fig_h, va="top")
+    for i, z in enumerate(picks):
+        row, col = divmod(i, cols)
+        left = gap + col * (panel_w + gap)
+        lower = fig_h - top - caption - row * (panel_h + caption) - panel_h
+        ax = fig.add_axes((left / fig_w, lower / fig_h, panel_w / fig_w, panel_h / fig_h))
+        ax.imshow(
+            image[z],
+            cmap="gray",
+            vmin=low,
+            vmax=high if high > low else low + 1,
+            interpolation="nearest",
+            aspect="auto",
+        )
+        for mask, colour in ((label[z], GROUND_TRUTH_COLOUR), (prediction[z], PREDICTION_COLOUR)):
+            if mask.any() and not mask.all():  # a contour needs both sides of the level
+                ax.contour(mask.astype(np.float32), levels=[0.5], colors=[colour], linewidths=1.2)
+        ax.set_title(f"z = {names[z]}", fontsize=8, pad=3)
+        ax.set_axis_off()
+    handles = [
+        Line2D([], [], color=GROUND_TRUTH_COLOUR, lw=2, label="ground truth"),
+        Line2D([], [], color=PREDICTION_COLOUR, lw=2, label="prediction"),
+    ]
+    fig.legend(
+        handles=handles,
+        loc="lower center",
+        ncol=2,
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.02 / fig_h),
+    )
+    return _canvas(fig)
+
+
+def curves_figure(records: list[dict[str, Any]], title: str):
+    """A 2x2 matplotlib Figure of the training curves of ``metrics.jsonl`` records."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        points = [(r["epoch"], r[key]) for r in records if r.get(key) is not None]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    fig = Figure(figsize=(10, 7), dpi=DPI)
+    fig.suptitle(title)
+    axes = fig.subplots(2, 2)
+    panels = [
+        (axes[0, 0], "loss (BCE + Dice)", [("train_loss", "train", "-"), ("val_loss", "val", "-")]),
+        (
+            axes[0, 1],
+            "validation",
+            [
+                ("dice", "Dice", "-"),
+                ("iou", "IoU", "-"),
+                ("dice_per_volume_mean", "Dice, per-volume mean", "--"),
+            ],
+        ),
+        (axes[1, 0], "learning rate", [("lr", "lr", "-")]),
+        (
+            axes[1, 1],
+            "throughput (samples/s, all processes)",
+            [("samples_per_s", "samples/s", "-")],
+        ),
+    ]
+    for ax, name, lines in panels:
+        for key, label, style in lines:
+            x, y = series(key)
+            if x:
+                ax.plot(x, y, style, marker="o", markersize=3, label=label)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax.lines and len(lines) > 1:
+            ax.legend(fontsize=8)
+    x, y = series("lr")
+    if y and min(y) > 0 and max(y) > min(y):
+        axes[1, 0].set_yscale("log")
+    x, y = series("dice")
+    if x:
+        best = int(np.argmax(y))
+        axes[0, 1].axvline(x[best], color="grey", ls=":", lw=1)
+        axes[0, 1].annotate(
+            f"best {y[best]:.3f} @ {x[best]}",
+            (x[best], y[best]),
+            textcoords="offset points",
+            xytext=(-4, -12),
+            ha="right",
+            fontsize=8,
+        )
+        axes[0, 1].set_ylim(0, 1)
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------- the run
+def checkpoint_path(run_dir: Path, choice: str) -> Path:
+    if choice in ("best", "last"):
+        return run_dir / "checkpoints" / f"{choice}.pt"
+    return Path(choice)
+
+
+def run_config(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ReportError(f"{path}: cannot read the run's config ({exc})") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def write_curves(run_dir: Path, out_dir: Path) -> Path:
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        records = read_metrics(metrics)
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"{metrics}: unreadable ({exc})") from exc
+    if not records:
+        raise ReportError(
+            f"{metrics}: no epochs recorded; is {run_dir} a run directory of app.train?"
+        )
+    path = out_dir / "curves.png"
+    atomic_write_bytes(path, _png(curves_figure(records, f"{run_dir.name}: training curves")))
+    return path
+
+
+def write_montages(
+    run_dir: Path,
+    out_dir: Path,
+    checkpoint: Path,
+    data_root: str | None,
+    volumes: int,
+    n_slices: int,
+    device: str,
+) -> list[tuple[Path, float]]:
+    import torch
+
+    predictor = load_predictor(checkpoint, _device(device))
+    root = Path(data_root or run_config(run_dir).get("data_root") or predictor.cfg.data_root)
+    if not root.is_dir():
+        raise ReportError(f"{root}: data root of the run is missing; pass --data-root")
+    written = []
+    rng = np.random.default_rng(0)
+    for name, image_path, label_path in pair_files(root / SPLITS["val"])[:volumes]:
+        vol = load_volume_pair(name, image_path, label_path, predictor.cfg.normalization, rng)
+        logits = predictor.logits(vol.image)
+        counts = confusion_counts(logits, torch.as_tensor(vol.label, device=logits.device))
+        dice = float(dice_iou(counts.cpu())[0])
+        prediction = (sigmoid(logits)[0, 0] > 0.5).cpu().numpy()  # as the metrics threshold
+        title = f"{name}: Dice {dice:.3f} ({checkpoint.name}, {run_dir.name})"
+        rgb = montage_figure(vol.image, vol.label, prediction, title, n_slices)
+        path = out_dir / f"montage_{name}.png"
+        atomic_write_bytes(path, png_bytes(rgb))
+        written.append((path, dice))
+    return written
+
+
+def png_bytes(rgb: np.ndarray) -> bytes:
+    from matplotlib.image import imsave
+
+    buffer = io.BytesIO()
+    imsave(buffer, rgb, format="png")
+    return buffer.getvalue()
+
+
+def _device(name: str):
+    from app.distributed import resolve_device
+
+    return resolve_device(name, 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.report",
+        description="""\
+Pictures of a training run, in RUN_DIR/report/:
+  curves.png          loss, Dice, IoU, learning rate and throughput per epoch
+  montage_NAME.png    for the first --volumes validation volumes: z-slices with the
+                      ground-truth and predicted outlines and the volume's Dice
+                      (predicted as app.predict does, with the run's checkpoint)""",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument(
+        "run_dir", metavar="RUN_DIR", type=Path, help="run directory of app.train (--output-dir)"
+    )
+    parser.add_argument(
+        "--data-root", metavar="DIR", help="data root (default: data_root of RUN_DIR/config.yaml)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        metavar="best|last|PATH",
+        default="best",
+        help="best, last, or a checkpoint path, for the montages",
+    )
+    parser.add_argument(
+        "--volumes",
+        metavar="N",
+        type=int,
+        default=2,
+        help="validation volumes to draw (0: curves only)",
+    )
+    parser.add_argument("--slices", metavar="N", type=int, default=8, help="z-slices per montage")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where to predict the montage volumes",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if not args.run_dir.is_dir():
+            raise ReportError(f"{args.run_dir}: no such run directory")
+        if args.volumes < 0 or args.slices < 1:
+            raise ReportError("--volumes must be 0 or more and --slices at least 1")
+        out_dir = args.run_dir / "report"
+        out_dir.mkdir(exist_ok=True)
+        print(f"wrote {write_curves(args.run_dir, out_dir)}")
+        if args.volumes:
+            for path, dice in write_montages(
+                args.run_dir,
+                out_dir,
+                checkpoint_path(args.run_dir, args.checkpoint),
+                args.data_root,
+                args.volumes,
+                args.slices,
+                args.device,
+            ):
+                print(f"wrote {path} (Dice {dice:.4f})")
+    except (ReportError, CheckpointError, ConfigError, DataError, VolumeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
