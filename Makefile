@@ -38,7 +38,8 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 bench: $(STAMP)
-	$(PY) bench/train_step.py
+	$(PY) bench/train_step.py --config configs/demo.yaml --compare-precision
+	$(PY) bench/data_pipeline.py --config configs/demo.yaml
 
 clean-demo:
 	rm -rf $(DEMO_RUN) $(DEMO_DATA)

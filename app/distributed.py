@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 from collections.abc import Iterator
@@ -119,6 +120,9 @@ def distributed_session(cfg: Config) -> Iterator[DistEnv]:
         yield env
     finally:
         if dist.is_initialized():
+            # DDP sits in reference cycles: collect it before its process group goes, or gloo
+            # can abort at exit ("terminate called without an active exception")
+            gc.collect()
             dist.destroy_process_group()
 
 

@@ -30,6 +30,7 @@ import torch
 
 from app.config import Config, ConfigError
 
+FP16_MIN_EPS = 1e-4  # smallest optimizer eps that stays well inside float16's normal range
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _fp32_ops: frozenset[str] = frozenset({"sigmoid", "softmax"})
 
@@ -92,6 +93,12 @@ class NativePrecision:
         if self.opt_level == "O3":
             model.to(self.dtype)
             model.register_forward_pre_hook(_cast_inputs_hook(self.dtype))
+            if self.dtype == torch.float16 and optimizer is not None:
+                # Adam's state lives in the parameters' dtype: an eps of 1e-8 is 0 in float16,
+                # and an underflowed second moment then divides by zero after the first step
+                for group in optimizer.param_groups:
+                    if "eps" in group:
+                        group["eps"] = max(group["eps"], FP16_MIN_EPS)
         return model, optimizer
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:

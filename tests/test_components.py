@@ -251,3 +251,19 @@ def test_single_process_prepare_leaves_the_model_bare():
         env,
     )
     assert wrapped is model
+
+
+def test_fp16_o3_keeps_adam_finite():
+    torch.manual_seed(0)
+    model = UNet3d(f_maps=2, depth=3)
+    optimizer = torch.optim.Adam(model.parameters())
+    half = NativePrecision("O3", torch.float16, "cpu")
+    model, optimizer = half.initialize(model, optimizer)
+    assert optimizer.param_groups[0]["eps"] == amp_ops.FP16_MIN_EPS
+    for _ in range(3):
+        loss = BCEDiceLoss()(model(torch.randn(2, 1, 8, 16, 16)), torch.zeros(2, 1, 8, 16, 16))
+        optimizer.zero_grad()
+        half.backward(loss, optimizer)
+        half.step(optimizer)
+        assert torch.isfinite(loss)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

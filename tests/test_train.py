@@ -210,3 +210,11 @@ def test_help_runs_without_torch_initialising_anything():
         check=True,
     ).stdout
     assert "--data-root" in out and "--resume" in out and "--eval-only" in out
+
+
+@pytest.mark.parametrize(("mode", "factor"), [("none", 1.0), ("linear", 8.0), ("sqrt", 8**0.5)])
+def test_lr_scaling_by_world_size(mode, factor):
+    from app.config import Config
+    from app.train import scaled_lr
+
+    assert scaled_lr(Config(lr=1e-3, lr_scaling=mode), world_size=8) == pytest.approx(1e-3 * factor)
