@@ -1,8 +1,9 @@
 """Sliding-window inference on whole volumes, with Gaussian importance weighting.
 
-MONAI's ``sliding_window_inference`` does the tiling, batching and blending (see the note in
-README: it matched a hand-written version and is well tested), with the Gaussian importance map
-of :func:`gaussian_weights` (MONAI's own floors the weights at 1e-3, which shows seams).
+MONAI's ``sliding_window_inference`` does the tiling, batching and blending (see "Sliding
+window" in the README: it matched a hand-written version and is well tested), with the Gaussian
+importance map of :func:`gaussian_weights` (MONAI's own floors the weights at 1e-3, which shows
+seams).
 Volumes smaller than the window are padded with their own minimum, as in training, and the
 result is cropped back.
 """
