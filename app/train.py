@@ -246,6 +246,14 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
         for path in remove_stale_temporaries(checkpoint_dir(cfg.run_dir)):
             log.info("removed %s, left by a checkpoint write that was interrupted", path)
     record: dict[str, Any] = {}
+    if start_epoch >= cfg.epochs:
+        log.info(
+            "nothing to train: %s is at epoch %d and --epochs is %d; its metrics: %s",
+            resume_from,
+            start_epoch,
+            cfg.epochs,
+            state.get("metrics"),
+        )
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)

@@ -93,3 +93,25 @@ TINY = [
 @pytest.fixture
 def tiny_args() -> list[str]:
     return list(TINY)
+
+
+def train_tiny(data: Path, run_dir: Path, *extra: str, epochs: int = 2) -> Path:
+    """Train the TINY configuration in this process and return the run dir."""
+    from app.train import main as train_main
+
+    args = [
+        "--data-root",
+        str(data),
+        "--output-dir",
+        str(run_dir),
+        "--resume",
+        "none",
+        "--epochs",
+        str(epochs),
+        "--lr",
+        "0.01",
+        *TINY,
+        *extra,
+    ]
+    assert train_main(args) == 0
+    return run_dir

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
-from conftest import ROOT, TINY, blob_volume, write_dataset
+from conftest import ROOT, blob_volume, train_tiny, write_dataset
 from torch import nn
 
 from app import predict as predict_cli
@@ -27,15 +27,6 @@ from app.precision import build_precision
 from app.volume_io import VolumeMeta, read_volume, write_volume
 
 WINDOW = (16, 32, 32)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores shared with other jobs: one intra-op thread is many times faster here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def fp32():
@@ -464,28 +455,9 @@ def test_predicted_dice_equals_the_trainers_reported_dice(tmp_path, capsys):
     one the trainer reported for that checkpoint (same preprocessing, windows, blending,
     precision and threshold), well within the 0.02 the issue allows."""
     from app.evaluate import main as evaluate_main
-    from app.train import main as train_main
 
     data = write_dataset(tmp_path / "data", n_train=3, n_val=3)
-    run_dir = tmp_path / "run"
-    assert (
-        train_main(
-            [
-                "--data-root",
-                str(data),
-                "--output-dir",
-                str(run_dir),
-                "--resume",
-                "none",
-                "--epochs",
-                "2",
-                "--lr",
-                "0.01",
-                *TINY,
-            ]
-        )
-        == 0
-    )
+    run_dir = train_tiny(data, tmp_path / "run")
     best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
     assert best["config"]["opt_level"] == "O1"  # bf16 autocast on CPU: predict must follow it
     capsys.readouterr()

@@ -6,49 +6,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from conftest import TINY, blob_volume, write_dataset
+from conftest import blob_volume, train_tiny, write_dataset
 
 from app import report
 from app.tracking import montage
 from app.validation import SliceSample, pick_slices
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
-    from app.train import main as train_main
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("report")
-    data = write_dataset(root / "data", n_train=3, n_val=3)
-    run_dir = root / "run"
-    code = train_main(
-        [
-            "--data-root",
-            str(data),
-            "--output-dir",
-            str(run_dir),
-            "--resume",
-            "none",
-            "--epochs",
-            "2",
-            "--lr",
-            "0.01",
-            *TINY,
-        ]
-    )
-    torch.set_num_threads(threads)
-    assert code == 0
-    return run_dir
+    return train_tiny(write_dataset(root / "data", n_train=3, n_val=3), root / "run")
 
 
 def colour_present(rgb: np.ndarray, hex_colour: str, tolerance: int = 40) -> bool:
