@@ -218,3 +218,36 @@ def test_lr_scaling_by_world_size(mode, factor):
     from app.train import scaled_lr
 
     assert scaled_lr(Config(lr=1e-3, lr_scaling=mode), world_size=8) == pytest.approx(1e-3 * factor)
+
+
+def test_tensorboard_gets_scalars_montages_and_hparams(dataset, tmp_path, tiny_args):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    assert run([*tiny_args, "--data-root", dataset, "--output-dir", run_dir, "--epochs", 2]) == 0
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert {"train_loss", "val_loss", "dice", "iou", "lr"} <= set(tags["scalars"])
+    assert [e.step for e in events.Scalars("dice")] == [1, 2]
+    assert tags["images"] == ["val/vol_00"] and len(events.Images("val/vol_00")) == 2
+    assert "config/text_summary" in tags["tensors"]
+    assert {"hparam/dice", "hparam/iou"} <= set(tags["scalars"])
+    assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--val-mode", "patches"],
+        ["--normalization", "percentile"],
+        ["--opt-level", "O0"],
+        ["--no-augment", "--foreground-fraction", "1.0"],
+    ],
+)
+def test_training_options_run_end_to_end(dataset, tmp_path, tiny_args, options):
+    run_dir = tmp_path / "run"
+    argv = [*tiny_args, "--data-root", dataset, "--output-dir", run_dir, "--epochs", 1, *options]
+    assert run(argv) == 0
+    record = records(run_dir)[0]
+    assert 0.0 <= record["dice"] <= 1.0 and record["train_loss"] > 0
