@@ -7,14 +7,18 @@ metrics, TensorBoard and checkpoints, then every rank passes a barrier.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, MultiStepLR
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -44,7 +48,7 @@ from app.distributed import (
 from app.losses import BCEDiceLoss
 from app.model import UNet3d
 from app.precision import Precision, build_precision
-from app.tracking import make_tracker
+from app.tracking import NullTracker, Tracker, make_tracker
 from app.validation import EvalResult, evaluate
 from app.volume_io import VolumeError
 
@@ -69,12 +73,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRSchedule
 
 
 def train_one_epoch(
-    model,
-    loader,
-    optimizer,
+    model: nn.Module,
+    loader: Iterable,
+    optimizer: torch.optim.Optimizer,
     precision: Precision,
-    loss_fn,
-    tracker,
+    loss_fn: BCEDiceLoss,
+    tracker: Tracker | NullTracker,
     env: DistEnv,
     epoch: int,
     epochs: int,
@@ -142,9 +146,21 @@ def checkpoint_state(
     }
 
 
-def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
-    import json
+def restore(path: Path, model, optimizer, scheduler, precision: Precision):
+    """Load a checkpoint into the prepared objects; returns (epoch, best Dice, its metrics)."""
+    state = load_checkpoint(path)
+    unwrap(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    precision.load_state_dict(state["precision"])  # after initialize(), as apex requires
+    set_rng_state(state["rng"])
+    log.info(
+        "resumed from %s at epoch %d (best dice %.4f)", path, state["epoch"], state["best_dice"]
+    )
+    return state["epoch"], state["best_dice"], state.get("metrics")
 
+
+def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
     dice_v, iou_v = result.per_volume
     report = {
         "epoch": epoch,
@@ -192,7 +208,7 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
     )
     sampler = DistributedSampler(
         train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed
-    )
+    )  # same shuffle on every rank
     loader = DataLoader(
         train_set,
         batch_size=cfg.batch_size,
@@ -209,17 +225,10 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
     model, optimizer = prepare(model, optimizer, precision, env)
     loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
 
-    start_epoch, best_dice = 0, -1.0
+    start_epoch, best_dice, resumed_metrics = 0, -1.0, None
     if resume_from is not None:
-        state = load_checkpoint(resume_from)
-        unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        precision.load_state_dict(state["precision"])  # after initialize(), as apex requires
-        set_rng_state(state["rng"])
-        start_epoch, best_dice = state["epoch"], state["best_dice"]
-        log.info(
-            "resumed from %s at epoch %d (best dice %.4f)", resume_from, start_epoch, best_dice
+        start_epoch, best_dice, resumed_metrics = restore(
+            resume_from, model, optimizer, scheduler, precision
         )
 
     log.info(
@@ -252,7 +261,7 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
             resume_from,
             start_epoch,
             cfg.epochs,
-            state.get("metrics"),
+            resumed_metrics,
         )
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         sampler.set_epoch(epoch)
@@ -319,8 +328,6 @@ def log_versions() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     setup_logging(int(os.environ.get("RANK", "0") or 0))
     try:
         cfg = load_config(argv)
