@@ -146,10 +146,24 @@ def checkpoint_state(
     }
 
 
-def restore(path: Path, model, optimizer, scheduler, precision: Precision):
+def restore(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler,
+    precision: Precision,
+) -> tuple[int, float, dict | None]:
     """Load a checkpoint into the prepared objects; returns (epoch, best Dice, its metrics)."""
     state = load_checkpoint(path)
-    unwrap(model).load_state_dict(state["model"])
+    try:
+        unwrap(model).load_state_dict(state["model"])
+    except RuntimeError as exc:
+        saved = state["config"]
+        raise CheckpointError(
+            f"{path}: its weights do not fit this model: it was trained with --f-maps "
+            f"{saved.get('f_maps')} --depth {saved.get('depth')}; resume with those, or use a "
+            f"new --output-dir ({str(exc).splitlines()[0]})"
+        ) from exc
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     precision.load_state_dict(state["precision"])  # after initialize(), as apex requires

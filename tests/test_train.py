@@ -146,6 +146,15 @@ def test_resume_with_other_precision_is_refused(dataset, tmp_path, tiny_args, ca
     assert "native O1 bfloat16" in err and "--opt-level O1" in err
 
 
+def test_resume_with_another_model_size_is_refused(dataset, tmp_path, tiny_args, capsys):
+    run_dir = tmp_path / "run"
+    args = [*tiny_args, "--data-root", dataset, "--output-dir", run_dir]
+    assert run([*args, "--epochs", 1]) == 0
+    assert run([*args, "--epochs", 2, "--f-maps", 8]) == 2
+    err = capsys.readouterr().err
+    assert "last.pt: its weights do not fit" in err and "--f-maps 4 --depth 3" in err
+
+
 @pytest.mark.parametrize(
     ("damage", "fragment"),
     [
