@@ -2,7 +2,7 @@
 #
 # IronGrain trainer, default image: native mixed precision (torch.amp) on the official PyTorch
 # CUDA runtime image. The apex image is docker/Dockerfile.apex; both are described in
-# docs/deployment.md.
+# README.md ("Containers and Kubernetes").
 #
 #   docker build -t irongrain:0.1.0 .
 #   docker run --rm --gpus all --ipc=host -v "$PWD/data:/data" -v "$PWD/runs:/runs" irongrain:0.1.0

@@ -650,14 +650,14 @@ def test_compose_runs_the_trainer_on_all_gpus_with_tensorboard():
 
 
 def test_docs_name_the_pinned_versions_and_launcher_env():
-    docs = (ROOT / "docs" / "deployment.md").read_text()
+    docs = (ROOT / "README.md").read_text()
     for which in sorted(DOCKERFILES):
         assert parse_dockerfile(text_of(which)).root_base() in docs, which
     assert "25.05" in docs
     script = ROOT / "launch.sh"
     if script.is_file():
         for name in sorted(launcher_env_inputs(script.read_text())):
-            assert f"`{name}`" in docs, f"docs/deployment.md does not describe {name}"
+            assert f"`{name}`" in docs, f"README.md does not describe {name}"
 
 
 def test_launcher_env_inputs_are_found():

@@ -323,7 +323,7 @@ def test_pvc_and_tensorboard_serve_the_training_runs(which, rendered, rendered_t
 
 
 def test_components_are_labelled_for_staged_apply(rendered):
-    """docs/deployment.md applies storage and TensorBoard first, by label, then the job."""
+    """The README applies storage and TensorBoard first, by label, then the job."""
     components = {
         k: d["metadata"]["labels"]["app.kubernetes.io/component"] for k, d in rendered.items()
     }
