@@ -56,6 +56,12 @@ class Config:
     # model
     f_maps: int = _opt(32, "feature maps of the first U-Net level (doubled at each level)", "model")
     depth: int = _opt(4, "U-Net levels, counting the bottleneck", "model")
+    memory_format: Literal["auto", "channels_last", "contiguous"] = _opt(
+        "auto",
+        "weights and activations in channels_last_3d or contiguous layout; auto = channels_last "
+        "on CPU (measured 1.5x faster), contiguous on CUDA",
+        "model",
+    )
 
     # optimisation
     epochs: int = _opt(100, "epochs to train", "optim")

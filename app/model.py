@@ -75,3 +75,40 @@ class UNet3d(nn.Module):
         for decoder, skip in zip(self.decoders, reversed(skips[:-1])):
             x = decoder(x, skip)
         return self.head(x)
+
+
+def use_channels_last(model: nn.Module) -> nn.Module:
+    """Keep weights and activations in ``channels_last_3d`` (NDHWC) memory format.
+
+    Inputs are converted by a forward pre-hook, so callers pass ordinary tensors. On CPU this
+    made bf16 training of the demo model about 1.5x faster (``bench/train_step.py
+    --channels-last``).
+    """
+    model.to(memory_format=torch.channels_last_3d)
+    model.register_forward_pre_hook(_to_channels_last)
+    return model
+
+
+def _to_channels_last(module: nn.Module, args: tuple) -> tuple:
+    return tuple(
+        a.contiguous(memory_format=torch.channels_last_3d)
+        if torch.is_tensor(a) and a.dim() == 5
+        else a
+        for a in args
+    )
+
+
+def resolve_memory_format(setting: str, device: torch.device) -> str:
+    """``auto``: channels_last on CPU, where it was measured faster; contiguous on CUDA until
+    ``bench/train_step.py --channels-last`` has measured it on your GPU."""
+    if setting == "auto":
+        return "channels_last" if device.type == "cpu" else "contiguous"
+    return setting
+
+
+def build_model(cfg, device: torch.device) -> UNet3d:
+    """The configured UNet3d on ``device``, in the configured memory format."""
+    model = UNet3d(n_channels=1, n_classes=1, f_maps=cfg.f_maps, depth=cfg.depth).to(device)
+    if resolve_memory_format(cfg.memory_format, device) == "channels_last":
+        use_channels_last(model)
+    return model

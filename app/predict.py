@@ -53,7 +53,7 @@ from app.config import FIELDS, Config, ConfigError
 from app.data import check_finite, normalize
 from app.distributed import barrier, distributed_session, reduce_tensor
 from app.inference import predict_logits
-from app.model import UNet3d
+from app.model import build_model
 from app.precision import Precision, build_precision
 from app.validation import shard
 from app.volume_io import (
@@ -186,7 +186,7 @@ def build_predictor(
     sw_batch_size = cfg.sw_batch_size if sw_batch_size is None else sw_batch_size
     if sw_batch_size < 1:
         raise PredictError(f"--sw-batch-size must be at least 1, got {sw_batch_size}")
-    model = UNet3d(n_channels=1, n_classes=1, f_maps=cfg.f_maps, depth=cfg.depth)
+    model = build_model(cfg, device)
     try:
         model.load_state_dict(state["model"])
     except (RuntimeError, TypeError, AttributeError) as exc:
@@ -196,7 +196,7 @@ def build_predictor(
             f"depth={cfg.depth}) of its own config ({first})"
         ) from exc
     precision = build_precision(cfg, device)
-    model = model.to(device).eval()
+    model = model.eval()
     initialized = precision.initialize(model, None)  # O3: half model; apex: patched functions
     model = initialized[0] if isinstance(initialized, tuple) else initialized
     return Predictor(model, cfg, precision, window, overlap, sw_batch_size, tta)

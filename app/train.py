@@ -46,7 +46,7 @@ from app.distributed import (
     unwrap,
 )
 from app.losses import BCEDiceLoss
-from app.model import UNet3d
+from app.model import build_model
 from app.precision import Precision, build_precision
 from app.tracking import NullTracker, Tracker, make_tracker
 from app.validation import EvalResult, evaluate
@@ -231,7 +231,7 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
         pin_memory=env.device.type == "cuda",
     )
 
-    model = UNet3d(n_channels=1, n_classes=1, f_maps=cfg.f_maps, depth=cfg.depth).to(env.device)
+    model = build_model(cfg, env.device)
     optimizer = torch.optim.Adam(
         model.parameters(), lr=scaled_lr(cfg, env.world_size), weight_decay=cfg.weight_decay
     )

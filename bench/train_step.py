@@ -3,12 +3,12 @@
     python bench/train_step.py                                  # the config defaults, one level
     python bench/train_step.py --config configs/demo.yaml --compare-precision
     python bench/train_step.py --device cuda --compare-precision --steps 20 --repeats 5
-    python bench/train_step.py --device cuda --opt-level O1 --channels-last
+    python bench/train_step.py --device cuda --opt-level O1 --compare-memory-format
 
 Every trainer flag is accepted (``--config YAML``, ``--patch-size``, ``--batch-size``,
 ``--f-maps``, ``--depth``, ``--opt-level``, ``--amp-dtype``, ``--amp-backend``, ``--device``,
 ``--lr``, ...) and means what it means to ``python -m app.train``; the benchmark adds
-``--steps``, ``--warmup``, ``--repeats``, ``--compare-precision`` and ``--channels-last``.
+``--steps``, ``--warmup``, ``--repeats``, ``--compare-precision`` and ``--compare-memory-format``.
 
 What runs is the trainer's own code: ``UNet3d``, ``BCEDiceLoss``, Adam, ``build_precision`` and
 ``prepare()`` (world size 1), and ``app.train.train_one_epoch`` over ``--steps`` copies of one
@@ -19,6 +19,8 @@ loop's. No data loading is timed (see ``bench/data_pipeline.py`` for that).
 ``--compare-precision`` builds one model per opt level (O0, O1 with ``--amp-dtype``, O3) and
 times them interleaved (repeat 1 of every level, then repeat 2, ...), so every level sees the same
 machine load; the table gives medians over ``--repeats`` and the ratio to O0.
+``--compare-memory-format`` does the same for the trainer's ``--memory-format`` (contiguous vs
+channels_last_3d, at the config's opt level): the measurement behind its ``auto`` default.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the warm-up, minus what was
 allocated before that level's model was built (so each level's own parameters, gradients,
@@ -52,7 +54,7 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 from app.config import Config, ConfigError, build_parser, load_config  # noqa: E402
 from app.distributed import DistEnv, prepare, resolve_device  # noqa: E402
 from app.losses import BCEDiceLoss  # noqa: E402
-from app.model import UNet3d  # noqa: E402
+from app.model import UNet3d, build_model, resolve_memory_format  # noqa: E402
 from app.precision import Precision, build_precision  # noqa: E402
 from app.tracking import NullTracker  # noqa: E402
 from app.train import scaled_lr, train_one_epoch  # noqa: E402
@@ -96,9 +98,9 @@ def _add_args(parser: argparse._ActionsContainer) -> None:
         help="time O0, O1 (--amp-dtype) and O3 side by side, with ratios to O0",
     )
     parser.add_argument(
-        "--channels-last",
+        "--compare-memory-format",
         action="store_true",
-        help="channels_last_3d memory format for the model and the input",
+        help="time --memory-format contiguous and channels_last side by side",
     )
 
 
@@ -110,6 +112,7 @@ class LevelSpec:
     label: str
     opt_level: str
     amp_dtype: str | None = None  # None: the config's --amp-dtype
+    memory_format: str | None = None  # None: the config's --memory-format
 
 
 @dataclass
@@ -168,18 +171,14 @@ def memory_label(device: torch.device) -> str:
 
 
 def synthetic_batch(
-    cfg: Config, device: torch.device, channels_last: bool = False, offset: float = 0.0
+    cfg: Config, device: torch.device, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random images (plus ``offset``) and a ~30% foreground mask of ``batch x 1 x patch``."""
     generator = torch.Generator().manual_seed(cfg.seed)
     shape = (cfg.batch_size, 1, *cfg.patch_size)
     images = torch.randn(shape, generator=generator) + offset
     labels = (torch.rand(shape, generator=generator) < 0.3).float()
-    images, labels = images.to(device), labels.to(device)
-    if channels_last:
-        images = images.contiguous(memory_format=torch.channels_last_3d)
-        labels = labels.contiguous(memory_format=torch.channels_last_3d)
-    return images, labels
+    return images.to(device), labels.to(device)
 
 
 @dataclass
@@ -191,14 +190,12 @@ class _Level:
 
 
 def build_level(
-    cfg: Config, env: DistEnv, channels_last: bool = False
+    cfg: Config, env: DistEnv
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Precision]:
     """The trainer's model, Adam and precision for ``cfg``, through ``prepare()`` for ``env``."""
     precision = build_precision(cfg, env.device)
     torch.manual_seed(cfg.seed)
-    model = UNet3d(n_channels=1, n_classes=1, f_maps=cfg.f_maps, depth=cfg.depth).to(env.device)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last_3d)
+    model = build_model(cfg, env.device)  # in cfg's --memory-format
     optimizer = torch.optim.Adam(
         model.parameters(), lr=scaled_lr(cfg, env.world_size), weight_decay=cfg.weight_decay
     )
@@ -229,7 +226,6 @@ def measure(
     steps: int,
     warmup: int,
     repeats: int,
-    channels_last: bool = False,
 ) -> list[LevelResult]:
     """Build every level, warm it up (peak memory), then time them interleaved.
 
@@ -238,18 +234,21 @@ def measure(
     """
     env = DistEnv(0, 0, 1, device)
     loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
-    batch = synthetic_batch(cfg, device, channels_last)
+    batch = synthetic_batch(cfg, device)
     levels: list[_Level] = []
     results = []
     for spec in specs:
         result = LevelResult(spec.label)
         results.append(result)
         level_cfg = dataclasses.replace(
-            cfg, opt_level=spec.opt_level, amp_dtype=spec.amp_dtype or cfg.amp_dtype
+            cfg,
+            opt_level=spec.opt_level,
+            amp_dtype=spec.amp_dtype or cfg.amp_dtype,
+            memory_format=spec.memory_format or cfg.memory_format,
         )
         try:
             start = reset_peak_memory(device)
-            model, optimizer, precision = build_level(level_cfg, env, channels_last)
+            model, optimizer, precision = build_level(level_cfg, env)
             result.description = precision.describe()
             level = _Level(result, model, optimizer, precision)
             result.warmup_loss = run_steps(level, batch, max(warmup, 1), loss_fn, env)
@@ -323,7 +322,14 @@ def format_table(
     return lines
 
 
-def level_specs(cfg: Config, compare: bool) -> list[LevelSpec]:
+def level_specs(cfg: Config, compare: bool, compare_memory: bool = False) -> list[LevelSpec]:
+    if compare and compare_memory:
+        raise ConfigError("choose one of --compare-precision and --compare-memory-format")
+    if compare_memory:
+        return [
+            LevelSpec("contig", cfg.opt_level, memory_format="contiguous"),
+            LevelSpec("chlast", cfg.opt_level, memory_format="channels_last"),
+        ]
     if not compare:
         return [LevelSpec(cfg.opt_level, cfg.opt_level)]
     if cfg.amp_backend != "native":
@@ -340,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
             raise ConfigError("--steps and --repeats must be at least 1, --warmup 0 or more")
         device = resolve_device(cfg.device, 0)
-        specs = level_specs(cfg, args.compare_precision)
+        specs = level_specs(cfg, args.compare_precision, args.compare_memory_format)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         params = sum(p.numel() for p in UNet3d(1, 1, cfg.f_maps, cfg.depth).parameters())
@@ -350,17 +356,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"BCEDiceLoss; batch {cfg.batch_size} x {'x'.join(map(str, cfg.patch_size))} "
             f"({math.prod(cfg.patch_size):,} voxels/sample); {args.steps} steps per run, "
             f"{args.warmup} warm-up, {args.repeats} runs per level"
-            f"{' interleaved' if len(specs) > 1 else ''}; channels_last_3d "
-            f"{'on' if args.channels_last else 'off'}"
+            f"{' interleaved' if len(specs) > 1 else ''}; --memory-format {cfg.memory_format} "
+            f"({resolve_memory_format(cfg.memory_format, device)} here)"
         )
         print(memory_label(device))
-        results = measure(
-            cfg, device, specs, args.steps, args.warmup, args.repeats, args.channels_last
-        )
+        results = measure(cfg, device, specs, args.steps, args.warmup, args.repeats)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for line in format_table(results, cfg, args.steps, "O0" if len(specs) > 1 else None):
+    baseline = specs[0].label if len(specs) > 1 else None
+    for line in format_table(results, cfg, args.steps, baseline):
         print(line)
     return 1 if any(r.error for r in results) else 0
 

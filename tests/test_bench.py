@@ -46,14 +46,22 @@ def test_train_step_prints_the_rate_of_the_configured_level(capsys):
     assert rate > 0 and voxels == pytest.approx(rate * 16 * 32 * 32, rel=0.01)
 
 
+def test_train_step_compares_memory_formats_side_by_side(tmp_path, capsys):
+    argv = ["--f-maps", "4", "--depth", "3", "--batch-size", "2", "--patch-size", "16", "32", "32"]
+    argv += ["--device", "cpu", "--steps", "2", "--repeats", "1", "--warmup", "1"]
+    assert train_step.main([*argv, "--compare-memory-format"]) == 0
+    table = rows(capsys.readouterr().out, [["contig"], ["chlast"]])
+    assert list(table) == ["contig", "chlast"] and " 1.00x " in table["contig"]
+
+
 def test_train_step_compares_precisions_side_by_side(tmp_path, capsys):
     config = tmp_path / "bench.yaml"
     config.write_text("f_maps: 4\ndepth: 3\nbatch_size: 2\npatch_size: [16, 32, 32]\n")
     argv = ["--config", config, "--device", "cpu", "--steps", "2", "--repeats", "1"]
-    argv += ["--warmup", "1", "--compare-precision", "--channels-last"]
+    argv += ["--warmup", "1", "--compare-precision", "--memory-format", "channels_last"]
     assert train_step.main([str(a) for a in argv]) == 0
     out = capsys.readouterr().out
-    assert "channels_last_3d on" in out and "interleaved" in out
+    assert "--memory-format channels_last" in out and "interleaved" in out
     table = rows(out, [["O0"], ["O1"], ["O3"]])
     assert list(table) == ["O0", "O1", "O3"]
     assert " 1.00x " in table["O0"] and "bfloat16" in table["O1"]
@@ -123,6 +131,7 @@ def test_gpu_check_cpu_mode_passes_or_skips_each_check():
         "o1-speedup": "SKIP",
         "scaler-checkpoint": "PASS",
         "channels-last-3d": "PASS",
+        "memory-format-speed": "PASS",
         "nccl-init": "SKIP",
         "apex-O1": "SKIP",
         "apex-O2": "SKIP",
@@ -130,7 +139,7 @@ def test_gpu_check_cpu_mode_passes_or_skips_each_check():
     }
     assert "samples/s" in next(line for line in verdicts if "native-O1-bf16" in line)
     assert re.search(r"scale 32768\.0, tracker 3", done.stdout)
-    summary = r"^gpu_check: 7 PASS, 0 FAIL, 5 SKIP, 0 WARN; elapsed [\d.]+ s$"
+    summary = r"^gpu_check: 8 PASS, 0 FAIL, 5 SKIP, 0 WARN; elapsed [\d.]+ s$"
     assert re.search(summary, done.stdout, re.M)
 
 

@@ -1,5 +1,6 @@
 """Model, loss, metrics, the precision backends and the order inside prepare()."""
 
+import copy
 import sys
 
 import apex_recording_standin
@@ -267,3 +268,22 @@ def test_fp16_o3_keeps_adam_finite():
         half.step(optimizer)
         assert torch.isfinite(loss)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_channels_last_model_matches_contiguous_and_takes_plain_inputs():
+    from app.model import build_model, resolve_memory_format, use_channels_last
+
+    torch.manual_seed(0)
+    model = UNet3d(f_maps=4, depth=3).eval()
+    x = torch.randn(2, 1, 9, 17, 23)
+    expected = model(x)
+    fast = use_channels_last(copy.deepcopy(model))
+    assert fast.encoders[0][0].weight.is_contiguous(memory_format=torch.channels_last_3d)
+    out = fast(x)  # an ordinary tensor: the pre-hook converts it
+    assert out.is_contiguous(memory_format=torch.channels_last_3d)
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert resolve_memory_format("auto", CPU) == "channels_last"
+    assert resolve_memory_format("auto", torch.device("cuda", 0)) == "contiguous"
+    assert resolve_memory_format("contiguous", CPU) == "contiguous"
+    built = build_model(Config(f_maps=2, depth=3, memory_format="contiguous"), CPU)
+    assert built.encoders[0][0].weight.is_contiguous()
