@@ -289,15 +289,21 @@ def check_versions(ctx: Context) -> None:
         )
 
 
-def check_native_steps(ctx: Context) -> None:
+def speed_config(ctx: Context) -> Config:
+    """The realistic-but-small training configuration that the speed checks time."""
     s = ctx.sizes
-    cfg = Config(
+    return Config(
         device=ctx.device.type,
         patch_size=s.patch,
         f_maps=s.f_maps,
         depth=s.depth,
         batch_size=s.batch,
     )
+
+
+def check_native_steps(ctx: Context) -> None:
+    s = ctx.sizes
+    cfg = speed_config(ctx)
     LevelSpec = train_step.LevelSpec
     specs = [LevelSpec("O0", "O0"), LevelSpec("O1-fp16", "O1", "float16")]
     if ctx.cuda and not torch.cuda.is_bf16_supported():
@@ -434,13 +440,7 @@ def check_memory_format_speed(ctx: Context) -> None:
     """Training-step rate of --memory-format channels_last vs contiguous at O1: reported, not
     judged; it is the figure that should set the trainer's ``auto`` default on this GPU."""
     s = ctx.sizes
-    cfg = Config(
-        device=ctx.device.type,
-        patch_size=s.patch,
-        f_maps=s.f_maps,
-        depth=s.depth,
-        batch_size=s.batch,
-    )
+    cfg = speed_config(ctx)
     specs = [
         train_step.LevelSpec("contiguous", "O1", memory_format="contiguous"),
         train_step.LevelSpec("channels_last", "O1", memory_format="channels_last"),
