@@ -44,10 +44,6 @@ def configure_fp32_ops(names: list[str]) -> None:
     _fp32_ops = frozenset(names)
 
 
-def fp32_ops() -> frozenset[str]:
-    return _fp32_ops
-
-
 def call_op(name: str, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``torch.<name>(x, ...)``, in float32 outside autocast when ``name`` is registered."""
     fn = getattr(torch, name)
