@@ -5,8 +5,9 @@ A checkpoint is plain data (tensors, numbers, strings, lists, dicts) so that it 
 
 ``model`` (the unwrapped state_dict), ``optimizer``, ``scheduler``, ``precision`` (backend,
 opt level, dtype, and the GradScaler or apex ``amp`` state), ``epoch`` (epochs completed),
-``best_dice``, ``metrics`` (that epoch's record), ``config`` and ``rng`` (torch, CUDA, numpy and
-Python generator states).
+``best_dice``, ``metrics`` (that epoch's record), ``config`` (with its ``auto`` settings
+resolved), ``resolved`` (that decision and its reason, ``app.autotune``) and ``rng`` (torch,
+CUDA, numpy and Python generator states). A model holding NaN or Inf is never written.
 
 Writes are atomic (``app.atomic``): a writer killed at any point leaves the previous file intact.
 """
@@ -39,6 +40,17 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(path: Path | str, state: dict[str, Any]) -> None:
+    """Write ``state`` atomically; refuses weights holding NaN or Inf, keeping the file there."""
+    bad = [
+        name
+        for name, tensor in state.get("model", {}).items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+    if bad:
+        raise CheckpointError(
+            f"{path}: not written, the model's {', '.join(bad[:3])}"
+            f"{' and more' if len(bad) > 3 else ''} hold NaN or Inf; the previous file is kept"
+        )
     atomic_write(path, lambda f: torch.save(state, f))
 
 

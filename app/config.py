@@ -58,8 +58,8 @@ class Config:
     depth: int = _opt(4, "U-Net levels, counting the bottleneck", "model")
     memory_format: Literal["auto", "channels_last", "contiguous"] = _opt(
         "auto",
-        "weights and activations in channels_last_3d or contiguous layout; auto = channels_last "
-        "on CPU (measured 1.5x faster), contiguous on CUDA",
+        "weights and activations in channels_last_3d or contiguous layout; auto = measured on "
+        "this machine (see --auto-probe)",
         "model",
     )
 
@@ -81,11 +81,29 @@ class Config:
     amp_backend: Literal["native", "apex"] = _opt(
         "native", "mixed-precision backend: torch.amp or legacy NVIDIA apex", "precision"
     )
-    opt_level: Literal["O0", "O1", "O2", "O3"] = _opt(
-        "O1", "O0 fp32, O1 autocast, O2 apex fp16 model, O3 pure half model", "precision"
+    opt_level: Literal["auto", "O0", "O1", "O2", "O3"] = _opt(
+        "auto",
+        "O0 fp32, O1 autocast, O2 apex fp16 model, O3 pure half model; auto = fp32 or autocast, "
+        "whichever this machine runs fastest among those its hardware computes natively",
+        "precision",
     )
     amp_dtype: Literal["auto", "float16", "bfloat16"] = _opt(
-        "auto", "half dtype for native AMP; auto = float16 on CUDA, bfloat16 on CPU", "precision"
+        "auto",
+        "half dtype of autocast; auto = a dtype this device computes natively (bf16 before "
+        "fp16), measured when there are two",
+        "precision",
+    )
+    auto_probe: bool = _opt(
+        True,
+        "resolve auto settings with a short measured probe of the training step (cached); "
+        "--no-auto-probe decides from the hardware's capabilities alone",
+        "precision",
+    )
+    auto_cache: str = _opt(
+        "",
+        "folder of cached auto decisions; empty = $IRONGRAIN_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/irongrain, else ~/.cache/irongrain (delete it to re-measure)",
+        "precision",
     )
     fp32_ops: list[str] = _opt(
         ["sigmoid", "softmax"], "torch functions always computed in float32", "precision"
@@ -139,6 +157,7 @@ class Config:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+RESOLVED_KEY = "resolved"
 _HINTS = typing.get_type_hints(Config)
 
 
@@ -237,6 +256,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"--config {path}: expected a mapping of settings, got {type(data).__name__}"
         )
+    data.pop(RESOLVED_KEY, None)  # what a run's auto settings resolved to: a record, not input
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise ConfigError(
@@ -311,8 +331,13 @@ def validate(cfg: Config) -> None:
     )
 
 
-def save_config(cfg: Config, path: Path) -> None:
+def save_config(cfg: Config, path: Path, resolved: dict[str, Any] | None = None) -> None:
+    """The settings as given, then (``resolved:``) what their ``auto`` values resolved to on this
+    machine; the file can be passed back as ``--config``, which ignores the ``resolved:`` record.
+    """
     from app.atomic import atomic_write_bytes
 
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    atomic_write_bytes(path, text.encode())
+    data = cfg.to_dict()
+    if resolved:
+        data[RESOLVED_KEY] = resolved
+    atomic_write_bytes(path, yaml.safe_dump(data, sort_keys=False).encode())

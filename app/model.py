@@ -80,13 +80,44 @@ class UNet3d(nn.Module):
 def use_channels_last(model: nn.Module) -> nn.Module:
     """Keep weights and activations in ``channels_last_3d`` (NDHWC) memory format.
 
-    Inputs are converted by a forward pre-hook, so callers pass ordinary tensors. On CPU this
-    made bf16 training of the demo model about 1.5x faster (``bench/train_step.py
-    --channels-last``).
+    Inputs are converted by a forward pre-hook, so callers pass ordinary tensors. Whether it is
+    faster depends on the device and precision: ``--memory-format auto`` measures it.
     """
     model.to(memory_format=torch.channels_last_3d)
     model.register_forward_pre_hook(_to_channels_last)
+    for param in model.parameters():
+        if _layout_is_ambiguous(param):
+            param.register_hook(_gradient_like(param))
     return model
+
+
+def _layout_is_ambiguous(param: torch.Tensor) -> bool:
+    """A 5-D tensor that is contiguous in both formats (size-1 channel or spatial axes, as the
+    1x1x1 head and a 1-channel first conv have): its strides name one format, its bytes fit both.
+    """
+    return (
+        param.dim() == 5
+        and param.is_contiguous()
+        and param.is_contiguous(memory_format=torch.channels_last_3d)
+    )
+
+
+def _gradient_like(param: torch.Tensor):
+    """Give a gradient the parameter's own strides when only the strides of size-1 axes differ.
+
+    The CPU convolution backward returns such a weight's gradient with contiguous strides. Autograd
+    accepts it (strides of size-1 axes do not matter), but DDP's reducer compares strides
+    literally and warns "Grad strides do not match bucket view strides" on every run (pytorch
+    #47163, #157862). Same bytes, restrided: a view, no copy.
+    """
+    strides = param.stride()
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if grad.stride() == strides or not _layout_is_ambiguous(grad):
+            return grad
+        return grad.as_strided(grad.shape, strides)
+
+    return hook
 
 
 def _to_channels_last(module: nn.Module, args: tuple) -> tuple:
@@ -99,8 +130,9 @@ def _to_channels_last(module: nn.Module, args: tuple) -> tuple:
 
 
 def resolve_memory_format(setting: str, device: torch.device) -> str:
-    """``auto``: channels_last on CPU, where it was measured faster; contiguous on CUDA until
-    ``bench/train_step.py --channels-last`` has measured it on your GPU."""
+    """``auto`` where nothing measured it (prediction, an old checkpoint): channels_last on CPU,
+    measured faster on AVX2 and AMX CPUs; contiguous on CUDA. Training measures it instead
+    (``app.autotune``)."""
     if setting == "auto":
         return "channels_last" if device.type == "cpu" else "contiguous"
     return setting

@@ -18,6 +18,12 @@ The fp32 op registry (``--fp32-ops``, default sigmoid and softmax): with apex ea
 registered with ``amp.register_float_function`` before ``amp.initialize``; natively the loss,
 metrics and prediction call them through :func:`sigmoid` / :func:`softmax`, which leave autocast
 and compute in float32.
+
+Non-finite steps: ``step()`` returns a flag on the device, 1 when the step's gradients held NaN
+or Inf and the step was skipped (:class:`NonFiniteGuard`), so such a step never reaches the
+weights, the optimizer state or the BatchNorm statistics, and the loop counts skipped steps
+without a host sync. ``--opt-level auto`` and ``--amp-dtype auto`` are decided by
+``app.autotune`` before this module builds anything.
 """
 
 from __future__ import annotations
@@ -61,6 +67,64 @@ def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     return call_op("softmax", x, dim=dim)
 
 
+# ----------------------------------------------------------------------------- non-finite steps
+class NonFiniteGuard:
+    """Skips optimizer steps whose gradients are not finite, without a host sync.
+
+    ``check`` runs GradScaler's own test (``torch._amp_foreach_non_finite_check_and_unscale_``
+    with a scale of 1) over the gradients and leaves a 0/1 flag on the device. A fused Adam takes
+    that flag as ``found_inf`` and, when it is 1, leaves parameters, moments and step count as they
+    were; any other optimizer costs one host sync per step to skip. Under DDP the gradients are
+    all-reduced before the test, so every rank reaches the same verdict with no collective of its
+    own. BatchNorm running statistics, which the skipped step's forward already updated, go back to
+    a snapshot that a forward pre-hook takes in training mode.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.buffers = [b for b in model.buffers() if b.numel()]
+        self.saved = [b.detach().clone() for b in self.buffers]
+        model.register_forward_pre_hook(self._snapshot)
+
+    def _snapshot(self, module: torch.nn.Module, args: tuple) -> None:
+        if module.training and torch.is_grad_enabled() and self.buffers:
+            torch._foreach_copy_(self.saved, self.buffers)
+
+    @staticmethod
+    def check(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """A 0-dim float tensor (GradScaler's ``found_inf``): 1 if a gradient holds NaN or Inf."""
+        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        device = next(iter(grads))[0] if grads else torch.device("cpu")
+        found = torch.zeros((), device=device)
+        for (grad_device, _), tensors in grads.items():
+            found_here = torch.zeros((), device=grad_device)
+            one = torch.ones((), device=grad_device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_here, one)
+            found += found_here.to(device)
+        return found.clamp_(max=1)
+
+    @staticmethod
+    def step(optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+        """``optimizer.step()`` unless ``found``; on the device when the optimizer allows it."""
+        if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused Adam
+            optimizer.grad_scale, optimizer.found_inf = None, found
+            optimizer.step()
+        elif not found.item():
+            optimizer.step()
+
+    def restore_buffers(self, found: torch.Tensor) -> None:
+        """Put back the statistics that a skipped step's forward changed (none if not found)."""
+        skip = found.bool()
+        for buffer, saved in zip(self.buffers, self.saved):
+            buffer.copy_(torch.where(skip, saved, buffer))
+
+
+NOT_INITIALIZED = "precision.step() before precision.initialize(model, optimizer)"
+
+
 # ----------------------------------------------------------------------------- backends
 class NativePrecision:
     """torch.amp: an autocast context and a GradScaler that is enabled for fp16 O1 only."""
@@ -72,6 +136,7 @@ class NativePrecision:
         self.scaler = torch.amp.GradScaler(
             device_type, enabled=opt_level == "O1" and dtype == torch.float16
         )
+        self.guard: NonFiniteGuard | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -85,7 +150,8 @@ class NativePrecision:
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.opt_level == "O1")
 
-    def initialize(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def initialize(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+        """Cast for O3 and arm the non-finite guard (training only: ``optimizer`` is given)."""
         if self.opt_level == "O3":
             model.to(self.dtype)
             model.register_forward_pre_hook(_cast_inputs_hook(self.dtype))
@@ -95,14 +161,26 @@ class NativePrecision:
                 for group in optimizer.param_groups:
                     if "eps" in group:
                         group["eps"] = max(group["eps"], FP16_MIN_EPS)
+        if optimizer is not None:
+            self.guard = NonFiniteGuard(model)
         return model, optimizer
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.step(optimizer)
-        self.scaler.update()
+    def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """One optimizer step unless a gradient is NaN/Inf; returns that flag as a 0-dim float
+        tensor on the device (1: skipped)."""
+        if self.guard is None:
+            raise RuntimeError(NOT_INITIALIZED)
+        found = self.guard.check(optimizer)  # scaled gradients: Inf there is Inf unscaled too
+        if self.scaler.is_enabled():
+            self.scaler.step(optimizer)  # skips the same steps, and lowers the scale
+            self.scaler.update()
+        else:
+            self.guard.step(optimizer, found)
+        self.guard.restore_buffers(found)
+        return found
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -129,6 +207,7 @@ class ApexPrecision:
         self.opt_level = opt_level
         self.fp32_op_names = list(fp32_op_names)
         self.amp = import_apex("apex.amp")
+        self.guard: NonFiniteGuard | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -143,14 +222,30 @@ class ApexPrecision:
     def initialize(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         for name in self.fp32_op_names:  # must precede amp.initialize
             self.amp.register_float_function(torch, name)
-        return self.amp.initialize(model, optimizer, opt_level=self.opt_level, verbosity=0)
+        model, optimizer = self.amp.initialize(
+            model, optimizer, opt_level=self.opt_level, verbosity=0
+        )
+        if optimizer is not None:
+            self.guard = NonFiniteGuard(model)
+        return model, optimizer
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         with self.amp.scale_loss(loss, optimizer) as scaled_loss:
             scaled_loss.backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
+    def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """O1/O2: apex's dynamic loss scale skips overflowing steps inside ``optimizer.step``
+        (which must be called: apex patched it for one call); O0/O3 have no dynamic scale, so
+        the guard skips them, with a host sync, as apex itself syncs every step."""
+        if self.guard is None:
+            raise RuntimeError(NOT_INITIALIZED)
+        found = self.guard.check(optimizer)
+        if self.opt_level in ("O1", "O2"):
+            optimizer.step()
+        else:
+            NonFiniteGuard.step(optimizer, found)
+        self.guard.restore_buffers(found)
+        return found
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -208,13 +303,19 @@ def import_apex(module: str):
 
 
 def resolve_dtype(cfg: Config, device_type: str) -> torch.dtype:
+    """The half dtype; ``auto`` reaching here (a checkpoint from before ``app.autotune``, or a
+    dtype an O0 run never uses) means what it meant then: float16 on CUDA, bfloat16 on CPU."""
     if cfg.amp_dtype == "auto":
         return torch.float16 if device_type == "cuda" else torch.bfloat16
     return HALF_DTYPES[cfg.amp_dtype]
 
 
 def build_precision(cfg: Config, device: torch.device) -> Precision:
-    """Validate the precision flags for this device and build the backend object."""
+    """Validate the precision flags for this device and build the backend object.
+
+    ``--opt-level auto`` must have been resolved (``app.autotune.decide``)."""
+    if cfg.opt_level == "auto":
+        raise ValueError("--opt-level auto reached build_precision: resolve it with app.autotune.decide")
     configure_fp32_ops(cfg.fp32_ops)
     if cfg.amp_backend == "apex":
         if device.type != "cuda":

@@ -23,7 +23,16 @@ from app.distributed import DistEnv
 from app.validation import SliceSample
 
 log = logging.getLogger(__name__)
-SCALARS = ("train_loss", "val_loss", "dice", "iou", "dice_per_volume_mean", "lr", "samples_per_s")
+SCALARS = (
+    "train_loss",
+    "val_loss",
+    "dice",
+    "iou",
+    "dice_per_volume_mean",
+    "lr",
+    "samples_per_s",
+    "skipped_steps",
+)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -70,10 +79,15 @@ class Tracker:
             iterable, desc=f"epoch {epoch}/{epochs}", unit="step", dynamic_ncols=True, leave=False
         )
 
-    def show_loss(self, bar: tqdm, step: int, running_loss) -> None:
-        """Refresh the bar's loss every ``log_every`` steps: one host sync each, primary only."""
+    def show_loss(self, bar: tqdm, step: int, totals) -> None:
+        """Refresh the bar's loss every ``log_every`` steps: one host sync each, primary only.
+        ``totals`` is the loop's (loss sum of the steps taken, steps, skipped, samples)."""
         if step % self.log_every == 0:
-            bar.set_postfix(loss=f"{float(running_loss) / step:.4f}")
+            loss_sum, steps, skipped, _ = totals.tolist()
+            shown = {"loss": f"{loss_sum / max(steps - skipped, 1):.4f}"}
+            if skipped:
+                shown["skipped"] = int(skipped)
+            bar.set_postfix(shown)
 
     def log_epoch(self, record: dict[str, Any], sample: SliceSample | None) -> None:
         with open(self.metrics_path, "a") as f:
@@ -116,7 +130,7 @@ class NullTracker:
     def progress(self, iterable: Iterable, epoch: int, epochs: int) -> Iterable:
         return iterable
 
-    def show_loss(self, bar, step: int, running_loss) -> None:
+    def show_loss(self, bar, step: int, totals) -> None:
         pass
 
     def log_epoch(self, record: dict[str, Any], sample: SliceSample | None) -> None:

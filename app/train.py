@@ -13,7 +13,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, Mu
 from torch.utils.data import DataLoader, DistributedSampler
 
 from app.atomic import atomic_write_bytes
+from app.autotune import decide
 from app.checkpoint import (
     CheckpointError,
     checkpoint_dir,
@@ -42,23 +42,18 @@ from app.distributed import (
     broadcast_object,
     distributed_session,
     prepare,
-    reduce_tensor,
     unwrap,
 )
 from app.losses import BCEDiceLoss
 from app.model import build_model
 from app.precision import Precision, build_precision
-from app.tracking import NullTracker, Tracker, make_tracker
+from app.steps import NonFiniteError, build_optimizer, check_steps_taken, train_one_epoch
+from app.tracking import make_tracker
 from app.validation import EvalResult, evaluate
 from app.volume_io import VolumeError
 
 log = logging.getLogger("app.train")
-USER_ERRORS = (ConfigError, DataError, VolumeError, CheckpointError)
-
-
-def scaled_lr(cfg: Config, world_size: int) -> float:
-    factor = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[cfg.lr_scaling]
-    return cfg.lr * factor
+USER_ERRORS = (ConfigError, DataError, VolumeError, CheckpointError, NonFiniteError)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRScheduler:
@@ -70,41 +65,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRSchedule
         optimizer, start_factor=1.0 / (cfg.warmup_epochs + 1), total_iters=cfg.warmup_epochs
     )
     return ChainedScheduler([warmup, multistep], optimizer=optimizer)
-
-
-def train_one_epoch(
-    model: nn.Module,
-    loader: Iterable,
-    optimizer: torch.optim.Optimizer,
-    precision: Precision,
-    loss_fn: BCEDiceLoss,
-    tracker: Tracker | NullTracker,
-    env: DistEnv,
-    epoch: int,
-    epochs: int,
-) -> tuple[float, int]:
-    """Mean loss over every step of every rank, and the samples all ranks saw.
-
-    The loss is accumulated on the device and reduced once, after the loop: no per-step host
-    sync or collective (the progress bar reads it every ``--log-every`` steps, primary only).
-    """
-    model.train()
-    totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, steps, samples
-    bar = tracker.progress(loader, epoch, epochs)
-    for step, (images, labels) in enumerate(bar, start=1):
-        images = images.to(env.device, non_blocking=True)
-        labels = labels.to(env.device, non_blocking=True)
-        with precision.autocast():
-            loss = loss_fn(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        precision.backward(loss, optimizer)
-        precision.step(optimizer)
-        totals[0] += loss.detach()
-        totals[1] += 1
-        totals[2] += images.shape[0]
-        tracker.show_loss(bar, step, totals[0])
-    loss_sum, steps, samples = reduce_tensor(totals).tolist()
-    return loss_sum / max(steps, 1), int(samples)
 
 
 def run_evaluation(model, val_volumes, loss_fn, precision, env: DistEnv, cfg: Config):
@@ -131,6 +91,7 @@ def checkpoint_state(
     best_dice: float,
     record: dict[str, Any],
     cfg: Config,
+    resolved: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "format_version": 1,
@@ -142,19 +103,21 @@ def checkpoint_state(
         "best_dice": best_dice,
         "metrics": record,
         "config": cfg.to_dict(),
+        "resolved": resolved or {},
         "rng": rng_state(),
     }
 
 
 def restore(
+    state: dict[str, Any],
     path: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: LRScheduler,
     precision: Precision,
 ) -> tuple[int, float, dict | None]:
-    """Load a checkpoint into the prepared objects; returns (epoch, best Dice, its metrics)."""
-    state = load_checkpoint(path)
+    """Load checkpoint ``state`` (read from ``path``) into the prepared objects; returns
+    (epoch, best Dice, its metrics)."""
     try:
         unwrap(model).load_state_dict(state["model"])
     except RuntimeError as exc:
@@ -164,7 +127,10 @@ def restore(
             f"{saved.get('f_maps')} --depth {saved.get('depth')}; resume with those, or use a "
             f"new --output-dir ({str(exc).splitlines()[0]})"
         ) from exc
+    kernels = [group.get("fused") for group in optimizer.param_groups]
     optimizer.load_state_dict(state["optimizer"])
+    for group, fused in zip(optimizer.param_groups, kernels):
+        group["fused"] = fused  # which Adam kernel runs is this run's choice, not saved state
     scheduler.load_state_dict(state["scheduler"])
     precision.load_state_dict(state["precision"])  # after initialize(), as apex requires
     set_rng_state(state["rng"])
@@ -195,18 +161,27 @@ def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
     atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
 
 
-def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
-    torch.manual_seed(cfg.seed)
+def train(settings: Config, env: DistEnv) -> dict[str, Any]:
+    """Train (or, with ``--eval-only``, evaluate) under ``settings``, whose ``auto`` fields are
+    resolved here for this machine (``app.autotune``)."""
     # fixed patch and window sizes: let cuDNN pick the fastest 3D convolution algorithms once
     torch.backends.cudnn.benchmark = env.device.type == "cuda"
-    precision = build_precision(cfg, env.device)
     # decided on the primary rank so that every rank resumes from the same file
-    resume_from = broadcast_object(resume_path(cfg.resume, cfg.run_dir) if env.is_primary else None)
-    if cfg.eval_only and resume_from is None:
+    resume_from = broadcast_object(
+        resume_path(settings.resume, settings.run_dir) if env.is_primary else None
+    )
+    if settings.eval_only and resume_from is None:
         raise ConfigError(
-            f"--eval-only needs a checkpoint: {cfg.run_dir}/checkpoints/last.pt does "
+            f"--eval-only needs a checkpoint: {settings.run_dir}/checkpoints/last.pt does "
             "not exist; pass --resume PATH or the --output-dir of a trained run"
         )
+    resumed = load_checkpoint(resume_from) if resume_from is not None else None
+    decision = decide(settings, env, resumed)
+    if env.is_primary:
+        log.info("%s", decision.log_line())
+    cfg = decision.apply(settings)
+    torch.manual_seed(cfg.seed)
+    precision = build_precision(cfg, env.device)
 
     train_volumes = (
         [] if cfg.eval_only else load_split(cfg.data_root, "train", cfg.normalization, cfg.seed)
@@ -232,17 +207,15 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
     )
 
     model = build_model(cfg, env.device)
-    optimizer = torch.optim.Adam(
-        model.parameters(), lr=scaled_lr(cfg, env.world_size), weight_decay=cfg.weight_decay
-    )
+    optimizer = build_optimizer(model, cfg, env, precision.backend)
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = prepare(model, optimizer, precision, env)
     loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
 
     start_epoch, best_dice, resumed_metrics = 0, -1.0, None
-    if resume_from is not None:
+    if resumed is not None:
         start_epoch, best_dice, resumed_metrics = restore(
-            resume_from, model, optimizer, scheduler, precision
+            resumed, resume_from, model, optimizer, scheduler, precision
         )
 
     log.info(
@@ -265,7 +238,7 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
 
     tracker = make_tracker(cfg, env, start_epoch)
     if env.is_primary:
-        save_config(cfg, cfg.run_dir / "config.yaml")
+        save_config(settings, cfg.run_dir / "config.yaml", resolved=decision.to_dict())
         for path in remove_stale_temporaries(checkpoint_dir(cfg.run_dir)):
             log.info("removed %s, left by a checkpoint write that was interrupted", path)
     record: dict[str, Any] = {}
@@ -282,21 +255,31 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
         train_set.set_epoch(epoch)
         started = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
-        train_loss, samples = train_one_epoch(
+        totals = train_one_epoch(
             model, loader, optimizer, precision, loss_fn, tracker, env, epoch, cfg.epochs
         )
         train_time = time.perf_counter() - started
+        check_steps_taken(totals, epoch, cfg)  # before anything of this epoch is saved
         scheduler.step()  # milestones are epochs
 
-        record = {"epoch": epoch, "train_loss": train_loss, "lr": lr}
-        sample = None
+        record = {
+            "epoch": epoch,
+            "train_loss": totals.loss,
+            "skipped_steps": totals.skipped,
+            "lr": lr,
+        }
+        sample, val_time = None, 0.0
         if epoch % cfg.val_every == 0 or epoch == cfg.epochs:
+            val_started = time.perf_counter()
             result, sample = run_evaluation(model, val_volumes, loss_fn, precision, env, cfg)
+            val_time = time.perf_counter() - val_started
             record.update(result.summary())
-        voxels = samples * math.prod(cfg.patch_size)
+        voxels = totals.samples * math.prod(cfg.patch_size)
         record.update(
+            train_time_s=train_time,
+            val_time_s=val_time,
             epoch_time_s=time.perf_counter() - started,
-            samples_per_s=samples / train_time,
+            samples_per_s=totals.samples / train_time,
             voxels_per_s=voxels / train_time,
             world_size=env.world_size,
         )
@@ -306,7 +289,15 @@ def train(cfg: Config, env: DistEnv) -> dict[str, Any]:
         best_dice = max(best_dice, record.get("dice", -1.0))
         if env.is_primary:
             state = checkpoint_state(
-                model, optimizer, scheduler, precision, epoch, best_dice, record, cfg
+                model,
+                optimizer,
+                scheduler,
+                precision,
+                epoch,
+                best_dice,
+                record,
+                cfg,
+                decision.to_dict(),
             )
             save_checkpoint(checkpoint_dir(cfg.run_dir) / "last.pt", state)
             if improved:

@@ -8,7 +8,7 @@
 Each line is ``PASS name: detail``, ``FAIL name: detail`` or ``SKIP name: reason``; ``WARN``
 lines are advice and leave the exit code alone. The exit code is 1 when any check FAILs. The
 checks, in order (the code run is the trainer's own: ``UNet3d``, ``BCEDiceLoss``,
-``build_precision``, ``prepare()``, ``app.train.train_one_epoch``, ``checkpoint_state``,
+``build_precision``, ``prepare()``, ``app.steps.train_one_epoch``, ``checkpoint_state``,
 ``save_checkpoint``/``load_checkpoint``):
 
 versions            torch, CUDA, cuDNN, NCCL, the GPU; WARN on torch 2.9.0 (slow half 3D convs)
@@ -18,6 +18,8 @@ scaler-checkpoint   fp16 GradScaler: a forced overflow halves the scale; scale a
                     survive a checkpoint loaded with weights_only=True into a fresh precision
 channels-last-3d    a channels_last_3d forward matches the contiguous one (fp32, and autocast)
 memory-format-speed O1 step rate, channels_last vs contiguous (reported, not judged)
+auto-decision       what --opt-level/--amp-dtype/--memory-format auto pick on this device, with
+                    the step time of every candidate; the second decision comes from the cache
 nccl-init           NCCL process group of world size 1: all_reduce and broadcast on the GPU
 ddp-2proc-gloo      2 spawned ranks, both on cuda:0, gloo: prepare() (SyncBN -> AMP -> DDP),
                     3 steps; the parameters stay identical on both ranks
@@ -83,14 +85,17 @@ def load_by_path(name: str, path: Path):
 
 train_step = load_by_path("bench_train_step", ROOT / "bench" / "train_step.py")
 
+from app import autotune  # noqa: E402
 from app.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from app.config import Config  # noqa: E402
 from app.distributed import DistEnv, distributed_session, prepare, unwrap  # noqa: E402
+from app.hardware import detect  # noqa: E402
 from app.losses import BCEDiceLoss  # noqa: E402
-from app.model import UNet3d, resolve_memory_format, use_channels_last  # noqa: E402
+from app.model import UNet3d, use_channels_last  # noqa: E402
 from app.precision import ApexPrecision, build_precision  # noqa: E402
+from app.steps import synthetic_batch, train_one_epoch  # noqa: E402
 from app.tracking import NullTracker, read_metrics  # noqa: E402
-from app.train import build_scheduler, checkpoint_state, train_one_epoch  # noqa: E402
+from app.train import build_scheduler, checkpoint_state  # noqa: E402
 
 LAUNCH_ENV_PREFIXES = (
     "PET_",
@@ -137,6 +142,7 @@ def small_config(sizes: Sizes, device: torch.device, **overrides) -> Config:
         f_maps=sizes.small_f_maps,
         depth=SMALL_DEPTH,
         batch_size=2,
+        opt_level="O1",  # the exactness checks are about autocast
     )
     values.update(overrides)
     return Config(**values)
@@ -251,12 +257,13 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 
 def steps_of(model, optimizer, precision, batch, n: int, env: DistEnv, loss_fn=None) -> float:
-    """``n`` training steps through ``app.train.train_one_epoch``; its mean loss."""
+    """``n`` training steps through ``app.steps.train_one_epoch``; the mean loss of the steps
+    taken (NaN when the non-finite guard skipped them all)."""
     loss_fn = loss_fn or BCEDiceLoss()
-    loss, _ = train_one_epoch(
+    totals = train_one_epoch(
         model, [batch] * n, optimizer, precision, loss_fn, NullTracker(), env, 1, 1
     )
-    return loss
+    return totals.loss
 
 
 # ----------------------------------------------------------------------------- checks
@@ -357,7 +364,7 @@ def check_scaler_checkpoint(ctx: Context) -> None:
     env = DistEnv(0, 0, 1, ctx.device)
     model, optimizer, precision = train_step.build_level(cfg, env)
     scheduler = build_scheduler(optimizer, cfg)
-    batch = train_step.synthetic_batch(cfg, ctx.device)
+    batch = synthetic_batch(cfg, ctx.device)
     initial = precision.scaler.state_dict()
     steps_of(model, optimizer, precision, batch, 2, env)
     loss_fn = BCEDiceLoss()
@@ -410,7 +417,7 @@ def check_channels_last(ctx: Context) -> None:
     torch.manual_seed(0)
     model = UNet3d(1, 1, cfg.f_maps, cfg.depth).to(ctx.device).eval()
     model_cl = use_channels_last(copy.deepcopy(model))  # what --memory-format channels_last does
-    images, _ = train_step.synthetic_batch(cfg, ctx.device)
+    images, _ = synthetic_batch(cfg, ctx.device)
     images_cl = images  # the model's pre-hook converts its input
     precision = build_precision(cfg, ctx.device)  # O1, the default dtype here
     weight = model_cl.encoders[1][0].weight
@@ -454,8 +461,31 @@ def check_memory_format_speed(ctx: Context) -> None:
     ctx.report.pass_(
         "memory-format-speed",
         f"O1 training steps: channels_last {rates['channels_last']:.3g} vs contiguous "
-        f"{rates['contiguous']:.3g} samples/s = {ratio:.2f}x (--memory-format auto uses "
-        f"{resolve_memory_format('auto', ctx.device)} on {ctx.device.type})",
+        f"{rates['contiguous']:.3g} samples/s = {ratio:.2f}x (--memory-format auto measures "
+        "this on each machine: see auto-decision)",
+    )
+
+
+def check_auto_decision(ctx: Context) -> None:
+    """What ``auto`` decides on this device, with the alternatives it measured; then that the
+    second decision comes from the cache, unchanged."""
+    cfg = dataclasses.replace(speed_config(ctx), auto_cache=str(ctx.tmp / "auto-cache"))
+    caps = detect(ctx.device)
+    cands, _ = autotune.candidates(cfg, caps)
+    env = DistEnv(0, 0, 1, ctx.device)
+    started = time.perf_counter()
+    first = autotune.decide(cfg, env)
+    took = time.perf_counter() - started
+    again = autotune.decide(cfg, env)
+    probed = len(cands) > 1
+    ok = (first.source == "probe") == probed and (
+        not probed or (again.source == "cache" and again.choice == first.choice)
+    )
+    ctx.report.verdict(
+        ok,
+        "auto-decision",
+        f"{caps.describe()}; candidates {[c.label for c in cands]}; {first.log_line()}; "
+        f"decided in {took:.1f} s; second decision from {again.source}",
     )
 
 
@@ -542,7 +572,7 @@ def ddp_and_syncbn(cfg: Config, env: DistEnv) -> dict:
     )
     # different data on each rank (another seed and a shifted mean): local stats differ
     rank_cfg = dataclasses.replace(cfg, seed=cfg.seed + env.rank)
-    batch = train_step.synthetic_batch(rank_cfg, env.device, offset=2.0 * env.rank)
+    batch = synthetic_batch(rank_cfg, env.device, offset=2.0 * env.rank)
     model.train()
     with torch.no_grad():
         model(batch[0])  # fp32: the statistics are compared exactly
@@ -654,7 +684,7 @@ def _apex_setup(level: str, device: torch.device, sizes: Sizes):
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = prepare(model, optimizer, precision, env)  # amp.initialize
-    batch = train_step.synthetic_batch(cfg, device)
+    batch = synthetic_batch(cfg, device)
     return cfg, env, precision, model, optimizer, scheduler, batch
 
 
@@ -840,6 +870,7 @@ CHECKS: list[tuple[str, Callable[[Context], None]]] = [
     ("native", check_native_steps),
     ("scaler-checkpoint", check_scaler_checkpoint),
     ("channels-last-3d", check_channels_last),
+    ("auto-decision", check_auto_decision),
     ("nccl-init", check_nccl),
     ("ddp-syncbn", check_ddp_syncbn),
     ("apex", check_apex),

@@ -1,26 +1,34 @@
 """Training-step rate of the real trainer step on synthetic tensors: samples/s and voxels/s.
 
-    python bench/train_step.py                                  # the config defaults, one level
+    python bench/train_step.py --config configs/demo.yaml --compare-auto   # what auto weighs here
+    python bench/train_step.py --config configs/demo.yaml --compare-auto --include-excluded
     python bench/train_step.py --config configs/demo.yaml --compare-precision
-    python bench/train_step.py --device cuda --compare-precision --steps 20 --repeats 5
+    python bench/train_step.py --device cuda --compare-auto --steps 20 --repeats 5
     python bench/train_step.py --device cuda --opt-level O1 --compare-memory-format
 
 Every trainer flag is accepted (``--config YAML``, ``--patch-size``, ``--batch-size``,
 ``--f-maps``, ``--depth``, ``--opt-level``, ``--amp-dtype``, ``--amp-backend``, ``--device``,
 ``--lr``, ...) and means what it means to ``python -m app.train``; the benchmark adds
-``--steps``, ``--warmup``, ``--repeats``, ``--compare-precision`` and ``--compare-memory-format``.
+``--steps``, ``--warmup``, ``--repeats`` and the comparisons below. The header names the device
+and its features (CPU model, kernel level, native bf16/fp16, AMX, threads): a figure holds on
+that hardware only.
 
-What runs is the trainer's own code: ``UNet3d``, ``BCEDiceLoss``, Adam, ``build_precision`` and
-``prepare()`` (world size 1), and ``app.train.train_one_epoch`` over ``--steps`` copies of one
-random batch of ``--batch-size`` x ``--patch-size`` already on the device, so the step sequence
-(autocast forward, ``zero_grad``, ``precision.backward``, ``precision.step``) is the training
-loop's. No data loading is timed (see ``bench/data_pipeline.py`` for that).
+What runs is the trainer's own step, ``app.steps.SyntheticStepper``: ``UNet3d``,
+``BCEDiceLoss``, fused Adam, ``build_precision`` and ``prepare()`` (world size 1), and
+``app.steps.train_one_epoch`` over ``--steps`` copies of one random batch already on the device
+(autocast forward, ``zero_grad``, ``precision.backward``, ``precision.step`` with its non-finite
+guard). No data loading is timed (see ``bench/data_pipeline.py`` for that).
 
-``--compare-precision`` builds one model per opt level (O0, O1 with ``--amp-dtype``, O3) and
-times them interleaved (repeat 1 of every level, then repeat 2, ...), so every level sees the same
-machine load; the table gives medians over ``--repeats`` and the ratio to O0.
-``--compare-memory-format`` does the same for the trainer's ``--memory-format`` (contiguous vs
-channels_last_3d, at the config's opt level): the measurement behind its ``auto`` default.
+``--compare-auto`` lists every candidate that ``--opt-level/--amp-dtype/--memory-format auto``
+considers on this machine (``app.autotune``) and what its capability rules left out, runs auto's
+own probe (not cached) and marks its pick, then times every candidate longer, interleaved
+(repeat 1 of every level, then repeat 2, ...) so every level sees the same machine load; the
+table gives medians over ``--repeats`` and the ratio to the first row. ``--include-excluded``
+adds what the rules left out (one timed run each: emulated bf16 is slow).
+``--compare-precision`` does the same for O0, O1 and O3 (``--amp-dtype``, or what ``auto`` meant
+before it was measured: bf16 on CPU, fp16 on CUDA); ``--compare-memory-format`` for contiguous
+vs channels_last_3d at the config's opt level. Fields still ``auto`` in those two are resolved by
+the capability rules.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the warm-up, minus what was
 allocated before that level's model was built (so each level's own parameters, gradients,
@@ -51,13 +59,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
+from app import autotune  # noqa: E402
 from app.config import Config, ConfigError, build_parser, load_config  # noqa: E402
 from app.distributed import DistEnv, prepare, resolve_device  # noqa: E402
-from app.losses import BCEDiceLoss  # noqa: E402
-from app.model import UNet3d, build_model, resolve_memory_format  # noqa: E402
+from app.hardware import detect, machine_line  # noqa: E402
+from app.model import UNet3d, build_model  # noqa: E402
 from app.precision import Precision, build_precision  # noqa: E402
-from app.tracking import NullTracker  # noqa: E402
-from app.train import scaled_lr, train_one_epoch  # noqa: E402
+from app.steps import SyntheticStepper, build_optimizer  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -102,6 +110,18 @@ def _add_args(parser: argparse._ActionsContainer) -> None:
         action="store_true",
         help="time --memory-format contiguous and channels_last side by side",
     )
+    parser.add_argument(
+        "--compare-auto",
+        action="store_true",
+        help="every candidate that the config's auto settings consider on this machine, side by "
+        "side, marking the one that auto's own probe picks (uncached)",
+    )
+    parser.add_argument(
+        "--include-excluded",
+        action="store_true",
+        help="with --compare-auto, also time the settings the capability rules left out "
+        "(emulated bf16 can be 60x slower: one timed run each)",
+    )
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -113,12 +133,16 @@ class LevelSpec:
     opt_level: str
     amp_dtype: str | None = None  # None: the config's --amp-dtype
     memory_format: str | None = None  # None: the config's --memory-format
+    repeats: int | None = None  # None: --repeats (a very slow level may be timed once)
+    note: str = ""  # shown after the row (why auto left it out, or that auto picked it)
 
 
 @dataclass
 class LevelResult:
     label: str
+    max_repeats: int = 1
     description: str = ""
+    note: str = ""
     seconds: list[float] = field(default_factory=list)  # one per timed run of `steps` steps
     losses: list[float] = field(default_factory=list)  # mean loss of each timed run
     peak_mib: float | None = None
@@ -170,53 +194,17 @@ def memory_label(device: torch.device) -> str:
     return "peak MiB: process peak RSS (ru_maxrss), reset per level where /proc allows"
 
 
-def synthetic_batch(
-    cfg: Config, device: torch.device, offset: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random images (plus ``offset``) and a ~30% foreground mask of ``batch x 1 x patch``."""
-    generator = torch.Generator().manual_seed(cfg.seed)
-    shape = (cfg.batch_size, 1, *cfg.patch_size)
-    images = torch.randn(shape, generator=generator) + offset
-    labels = (torch.rand(shape, generator=generator) < 0.3).float()
-    return images.to(device), labels.to(device)
-
-
-@dataclass
-class _Level:
-    result: LevelResult
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    precision: Precision
-
-
 def build_level(
     cfg: Config, env: DistEnv
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Precision]:
-    """The trainer's model, Adam and precision for ``cfg``, through ``prepare()`` for ``env``."""
+    """The trainer's model, Adam and precision for ``cfg``, through ``prepare()`` for ``env``
+    (for checks that drive the step themselves; timing uses ``SyntheticStepper``)."""
     precision = build_precision(cfg, env.device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, env.device)  # in cfg's --memory-format
-    optimizer = torch.optim.Adam(
-        model.parameters(), lr=scaled_lr(cfg, env.world_size), weight_decay=cfg.weight_decay
-    )
+    optimizer = build_optimizer(model, cfg, env, precision.backend)
     model, optimizer = prepare(model, optimizer, precision, env)
     return model, optimizer, precision
-
-
-def run_steps(level: _Level, batch, steps: int, loss_fn, env: DistEnv) -> float:
-    """``steps`` steps of ``app.train.train_one_epoch``; returns its mean loss."""
-    loss, _ = train_one_epoch(
-        level.model,
-        [batch] * steps,
-        level.optimizer,
-        level.precision,
-        loss_fn,
-        NullTracker(),
-        env,
-        1,
-        1,
-    )
-    return loss
 
 
 def measure(
@@ -233,12 +221,10 @@ def measure(
     the others go on. A level whose loss is not finite keeps being timed (``finite`` is False).
     """
     env = DistEnv(0, 0, 1, device)
-    loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
-    batch = synthetic_batch(cfg, device)
-    levels: list[_Level] = []
+    levels: list[tuple[LevelResult, SyntheticStepper]] = []
     results = []
     for spec in specs:
-        result = LevelResult(spec.label)
+        result = LevelResult(spec.label, max_repeats=spec.repeats or repeats, note=spec.note)
         results.append(result)
         level_cfg = dataclasses.replace(
             cfg,
@@ -248,41 +234,37 @@ def measure(
         )
         try:
             start = reset_peak_memory(device)
-            model, optimizer, precision = build_level(level_cfg, env)
-            result.description = precision.describe()
-            level = _Level(result, model, optimizer, precision)
-            result.warmup_loss = run_steps(level, batch, max(warmup, 1), loss_fn, env)
+            torch.manual_seed(cfg.seed)
+            stepper = SyntheticStepper(level_cfg, env)
+            result.description = stepper.precision.describe()
+            result.warmup_loss = stepper.run(max(warmup, 1)).loss
             result.peak_mib = peak_memory_mib(device, start)
-            levels.append(level)
+            levels.append((result, stepper))
         except (ConfigError, RuntimeError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
-    for _ in range(repeats):
-        for level in levels:
-            if level.result.error:
+    for repeat in range(repeats):
+        for result, stepper in levels:
+            if result.error or repeat >= result.max_repeats:
                 continue
             try:
                 sync(device)
                 started = time.perf_counter()
-                loss = run_steps(level, batch, steps, loss_fn, env)  # ends with a host sync
+                totals = stepper.run(steps)  # ends with a host sync
                 sync(device)
-                level.result.seconds.append(time.perf_counter() - started)
-                level.result.losses.append(loss)  # a non-finite loss is reported, still timed
+                result.seconds.append(time.perf_counter() - started)
+                # a skipped (non-finite) step is reported through the loss, and still timed
+                result.losses.append(totals.loss if not totals.skipped else math.nan)
             except RuntimeError as exc:
-                level.result.error = f"{type(exc).__name__}: {exc}"
+                result.error = f"{type(exc).__name__}: {exc}"
     return results
 
 
 # ----------------------------------------------------------------------------- report
 def versions_line(device: torch.device) -> str:
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    where = (
-        f"{torch.cuda.get_device_name(device)}"
-        if device.type == "cuda"
-        else f"cpu, {torch.get_num_threads()} threads"
-    )
     return (
         f"torch {torch.__version__} (CUDA {torch.version.cuda or '-'}, cuDNN {cudnn or '-'}) "
-        f"on {where}"
+        f"on {machine_line(device)}"
     )
 
 
@@ -296,23 +278,26 @@ def format_table(
         if r.seconds and not r.error
     }
     base = rates.get(baseline) if baseline else None
+    width = max([8, *(len(r.label) for r in results)])
     head = (
-        f"{'level':<8} {'samples/s':>10} {'(min..max)':>20} {'voxels/s':>10} {'ms/step':>9} "
-        f"{'peak MiB':>9} {'vs ' + (baseline or '-'):>7} {'loss':>7}  precision"
+        f"{'level':<{width}} {'samples/s':>10} {'(min..max)':>20} {'voxels/s':>10} "
+        f"{'ms/step':>9} {'peak MiB':>9} {'vs base':>7} {'loss':>7}  precision"
     )
     lines = [head]
     for r in results:
         if r.label not in rates:
-            lines.append(f"{r.label:<8} error: {r.error or 'no timed run'}")
+            lines.append(f"{r.label:<{width}} error: {r.error or 'no timed run'}  {r.note}")
             continue
         low, high = r.spread(steps, cfg.batch_size)
         ratio = f"{rates[r.label] / base:.2f}x" if base else "-"
         peak = f"{r.peak_mib:.0f}" if r.peak_mib is not None else "-"
         lines.append(
-            f"{r.label:<8} {rates[r.label]:>10.3g} {f'({low:.3g}..{high:.3g})':>20} "
+            f"{r.label:<{width}} {rates[r.label]:>10.3g} {f'({low:.3g}..{high:.3g})':>20} "
             f"{rates[r.label] * voxels:>10.3g} {r.ms_per_step(steps):>9.1f} {peak:>9} "
-            f"{ratio:>7} {r.losses[-1]:>7.4f}  {r.description}"
+            f"{ratio:>7} {r.losses[-1]:>7.4f}  {r.description}{'  ' + r.note if r.note else ''}"
         )
+    if base:
+        lines.append(f"vs base: samples/s relative to '{baseline}'")
     for r in results:
         if r.label in rates and not r.finite:
             lines.append(
@@ -322,15 +307,64 @@ def format_table(
     return lines
 
 
-def level_specs(cfg: Config, compare: bool, compare_memory: bool = False) -> list[LevelSpec]:
-    if compare and compare_memory:
-        raise ConfigError("choose one of --compare-precision and --compare-memory-format")
-    if compare_memory:
+def rules_resolved(cfg: Config, device: torch.device) -> Config:
+    """``cfg`` with its ``auto`` fields resolved by the capability rules (no probe): what a
+    single level or a fixed comparison runs."""
+    caps = detect(device)
+    cands, _ = autotune.candidates(cfg, caps)
+    choice, _ = autotune.rule_choice(cands, caps)
+    return choice.apply(cfg)
+
+
+def auto_specs(cfg: Config, device: torch.device, include_excluded: bool) -> list[LevelSpec]:
+    """Every candidate of ``auto`` on this machine, the pick of auto's own probe marked; with
+    ``include_excluded``, also what the rules left out, timed once."""
+    caps = detect(device)
+    cands, notes = autotune.candidates(cfg, caps)
+    picked = None
+    if len(cands) > 1:
+        env = DistEnv(0, 0, 1, device)
+        timings = autotune.probe(cfg, env, cands)
+        chosen = autotune.pick(cands, timings)
+        picked = chosen[0] if chosen else None
+        print(f"auto probe: {chosen[1] if chosen else 'nothing could be timed'}")
+    else:
+        picked = cands[0]
+    for note in notes:
+        print(f"auto left out: {note}")
+    specs = [
+        LevelSpec(
+            c.label,
+            c.opt_level,
+            None if c.amp_dtype == "float32" else c.amp_dtype,
+            c.memory_format,
+            note="<- auto picks" if c == picked else "",
+        )
+        for c in cands
+    ]
+    if include_excluded and cfg.amp_backend == "native":
+        formats = {c.memory_format for c in cands}
+        for dtype in ("bfloat16", "float16"):
+            for fmt in sorted(formats):
+                extra = autotune.Candidate("O1", dtype, fmt)
+                if extra not in cands:
+                    specs.append(
+                        LevelSpec(extra.label, "O1", dtype, fmt, repeats=1, note="(left out)")
+                    )
+    return specs
+
+
+def level_specs(
+    cfg: Config, device: torch.device, mode: str, include_excluded: bool = False
+) -> list[LevelSpec]:
+    if mode == "auto":
+        return auto_specs(cfg, device, include_excluded)
+    if mode == "memory":
         return [
             LevelSpec("contig", cfg.opt_level, memory_format="contiguous"),
             LevelSpec("chlast", cfg.opt_level, memory_format="channels_last"),
         ]
-    if not compare:
+    if mode == "one":
         return [LevelSpec(cfg.opt_level, cfg.opt_level)]
     if cfg.amp_backend != "native":
         raise ConfigError(
@@ -340,13 +374,32 @@ def level_specs(cfg: Config, compare: bool, compare_memory: bool = False) -> lis
     return [LevelSpec("O0", "O0"), LevelSpec("O1", "O1"), LevelSpec("O3", "O3")]
 
 
+def comparison_mode(args: argparse.Namespace) -> str:
+    chosen = [
+        name
+        for name, on in (
+            ("precision", args.compare_precision),
+            ("memory", args.compare_memory_format),
+            ("auto", args.compare_auto),
+        )
+        if on
+    ]
+    if len(chosen) > 1:
+        raise ConfigError(
+            "choose one of --compare-precision, --compare-memory-format and --compare-auto"
+        )
+    if args.include_excluded and chosen != ["auto"]:
+        raise ConfigError("--include-excluded goes with --compare-auto")
+    return chosen[0] if chosen else "one"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, cfg = parse_args(argv, "bench/train_step.py", __doc__.split("\n\n")[0], _add_args)
         if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
             raise ConfigError("--steps and --repeats must be at least 1, --warmup 0 or more")
+        mode = comparison_mode(args)
         device = resolve_device(cfg.device, 0)
-        specs = level_specs(cfg, args.compare_precision, args.compare_memory_format)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         params = sum(p.numel() for p in UNet3d(1, 1, cfg.f_maps, cfg.depth).parameters())
@@ -356,10 +409,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"BCEDiceLoss; batch {cfg.batch_size} x {'x'.join(map(str, cfg.patch_size))} "
             f"({math.prod(cfg.patch_size):,} voxels/sample); {args.steps} steps per run, "
             f"{args.warmup} warm-up, {args.repeats} runs per level"
-            f"{' interleaved' if len(specs) > 1 else ''}; --memory-format {cfg.memory_format} "
-            f"({resolve_memory_format(cfg.memory_format, device)} here)"
         )
-        print(memory_label(device))
+        if mode != "auto":  # fixed levels: what is still auto, the rules resolve
+            cfg = rules_resolved(cfg, device)
+            print(
+                f"auto rules (no probe): --opt-level {cfg.opt_level} --amp-dtype "
+                f"{cfg.amp_dtype} --memory-format {cfg.memory_format}"
+            )
+        specs = level_specs(cfg, device, mode, args.include_excluded)
+        print(memory_label(device) + (", interleaved" if len(specs) > 1 else ""))
         results = measure(cfg, device, specs, args.steps, args.warmup, args.repeats)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

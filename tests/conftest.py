@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,8 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 # Tiny tensors: one thread is much faster than two competing for 2 cores, in this process and in
 # the trainers that tests start (torchrun sets the same for its workers).
 os.environ["OMP_NUM_THREADS"] = "1"
+# auto decisions of test runs are cached apart from the user's (~/.cache/irongrain)
+os.environ["IRONGRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="irongrain-test-cache-")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -87,6 +90,13 @@ TINY = [
     "cpu",
     "--log-every",
     "1",
+    # the precision the tests were written for, on every machine (auto is tested on its own)
+    "--opt-level",
+    "O1",
+    "--amp-dtype",
+    "bfloat16",
+    "--memory-format",
+    "channels_last",
 ]
 
 

@@ -108,7 +108,13 @@ def test_empty_prediction_and_label_score_one():
 
 # ----------------------------------------------------------------------------- precision
 def cfg(**kwargs):
-    return Config(**kwargs)
+    """A config at O1, the level these tests are about (``auto`` is resolved before here)."""
+    return Config(**{"opt_level": "O1", **kwargs})
+
+
+def test_auto_must_be_resolved_before_building_a_precision():
+    with pytest.raises(ValueError, match="app.autotune"):
+        build_precision(Config(), CPU)
 
 
 def test_native_defaults_per_device():
@@ -150,7 +156,7 @@ def test_missing_apex_says_how_to_get_it(monkeypatch):
 def test_apex_is_imported_only_when_chosen():
     code = (
         "import sys; from app.config import Config; from app.precision import "
-        "build_precision; import torch; build_precision(Config(), torch.device('cpu')); "
+        "build_precision; import torch; build_precision(Config(opt_level='O1'), torch.device('cpu')); "
         "import app.train; assert not any(m.startswith('apex') for m in sys.modules)"
     )
     import subprocess

@@ -14,7 +14,7 @@ from conftest import ROOT, write_dataset
 from app.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
 from app.train import main
 
-TIMING = ("epoch_time_s", "samples_per_s", "voxels_per_s")
+TIMING = ("epoch_time_s", "train_time_s", "val_time_s", "samples_per_s", "voxels_per_s")
 
 
 def run(args):
@@ -224,7 +224,7 @@ def test_help_runs_without_torch_initialising_anything():
 @pytest.mark.parametrize(("mode", "factor"), [("none", 1.0), ("linear", 8.0), ("sqrt", 8**0.5)])
 def test_lr_scaling_by_world_size(mode, factor):
     from app.config import Config
-    from app.train import scaled_lr
+    from app.steps import scaled_lr
 
     assert scaled_lr(Config(lr=1e-3, lr_scaling=mode), world_size=8) == pytest.approx(1e-3 * factor)
 

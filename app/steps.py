@@ -1,0 +1,154 @@
+"""The training step, shared by the loop (``app.train``), the auto probe (``app.autotune``) and
+the benchmarks (``bench/``): the optimizer, one epoch of steps, and a stepper on synthetic data
+that runs exactly that step so that what is timed is what trains.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from app.config import Config
+from app.distributed import DistEnv, prepare, reduce_tensor
+from app.losses import BCEDiceLoss
+from app.model import build_model
+from app.precision import Precision, build_precision
+from app.tracking import NullTracker, Tracker
+
+
+def scaled_lr(cfg: Config, world_size: int) -> float:
+    factor = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[cfg.lr_scaling]
+    return cfg.lr * factor
+
+
+def build_optimizer(
+    model: nn.Module, cfg: Config, env: DistEnv, backend: str
+) -> torch.optim.Optimizer:
+    """Adam over ``model``'s parameters. Fused (one kernel per step on CPU and CUDA) unless apex
+    owns the step: the fused kernel also takes the non-finite flag on the device, so a skipped
+    step costs no host sync (``app.precision.NonFiniteGuard``)."""
+    return torch.optim.Adam(
+        model.parameters(),
+        lr=scaled_lr(cfg, env.world_size),
+        weight_decay=cfg.weight_decay,
+        fused=backend == "native" and env.device.type in ("cpu", "cuda"),
+    )
+
+
+@dataclass(frozen=True)
+class EpochTotals:
+    """One epoch's training figures, summed over every rank."""
+
+    loss: float  # mean loss of the steps taken (NaN when every step was skipped)
+    steps: int  # steps, all ranks together
+    skipped: int  # steps whose gradients held NaN/Inf, skipped by every rank
+    samples: int
+
+    @property
+    def skipped_fraction(self) -> float:
+        return self.skipped / self.steps if self.steps else 0.0
+
+
+class NonFiniteError(RuntimeError):
+    """Most steps of an epoch had NaN/Inf gradients: training cannot go on as configured."""
+
+
+def check_steps_taken(totals: EpochTotals, epoch: int, cfg: Config) -> None:
+    """A few skipped steps are routine (an fp16 loss scale finding its level); most of an epoch
+    skipped means the weights stopped learning, so stop and say what to change."""
+    if 2 * totals.skipped <= totals.steps:
+        return
+    change = (
+        f"train in fp32 with --opt-level O0 (this run: {cfg.opt_level} {cfg.amp_dtype})"
+        if cfg.opt_level != "O0"
+        else "check the data for NaN/Inf"
+    )
+    raise NonFiniteError(
+        f"epoch {epoch}: {totals.skipped} of {totals.steps} training steps had NaN or Inf "
+        f"gradients and were skipped; nothing of this epoch was saved. Lower --lr (now "
+        f"{cfg.lr:g}), or {change}"
+    )
+
+
+def train_one_epoch(
+    model: nn.Module,
+    loader: Iterable,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    loss_fn: BCEDiceLoss,
+    tracker: Tracker | NullTracker,
+    env: DistEnv,
+    epoch: int,
+    epochs: int,
+) -> EpochTotals:
+    """Every step of one epoch; the totals are reduced across ranks once, after the loop.
+
+    The loss sum and the skipped-step count stay on the device: no per-step host sync or
+    collective (the progress bar reads them every ``--log-every`` steps, primary rank only).
+    """
+    model.train()
+    totals = torch.zeros(4, dtype=torch.float64, device=env.device)  # loss, steps, skipped, n
+    bar = tracker.progress(loader, epoch, epochs)
+    for step, (images, labels) in enumerate(bar, start=1):
+        images = images.to(env.device, non_blocking=True)
+        labels = labels.to(env.device, non_blocking=True)
+        with precision.autocast():
+            loss = loss_fn(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        precision.backward(loss, optimizer)
+        skipped = precision.step(optimizer)  # 1 when a gradient held NaN/Inf: nothing changed
+        totals[0] += torch.where(skipped.bool(), 0.0, loss.detach().double())
+        totals[1] += 1
+        totals[2] += skipped
+        totals[3] += images.shape[0]
+        tracker.show_loss(bar, step, totals)
+    loss_sum, steps, skipped, samples = reduce_tensor(totals).tolist()
+    taken = steps - skipped
+    mean_loss = loss_sum / taken if taken else math.nan
+    return EpochTotals(mean_loss, int(steps), int(skipped), int(samples))
+
+
+def synthetic_batch(
+    cfg: Config, device: torch.device, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images (plus ``offset``) and a ~30% foreground mask of ``batch x 1 x patch``."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    shape = (cfg.batch_size, 1, *cfg.patch_size)
+    images = torch.randn(shape, generator=generator) + offset
+    labels = (torch.rand(shape, generator=generator) < 0.3).float()
+    return images.to(device), labels.to(device)
+
+
+class SyntheticStepper:
+    """The trainer's model, optimizer and precision for a concrete ``cfg`` (no ``auto`` left),
+    through ``prepare()`` for ``env``, stepping on one fixed random batch already on the device.
+
+    ``run(n)`` is ``n`` steps of :func:`train_one_epoch`, which ends with a host sync, so the
+    wall time around it is the time of the steps.
+    """
+
+    def __init__(self, cfg: Config, env: DistEnv):
+        self.env = env
+        self.precision = build_precision(cfg, env.device)
+        model = build_model(cfg, env.device)
+        optimizer = build_optimizer(model, cfg, env, self.precision.backend)
+        self.model, self.optimizer = prepare(model, optimizer, self.precision, env)
+        self.loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
+        self.batch = synthetic_batch(cfg, env.device)
+
+    def run(self, steps: int) -> EpochTotals:
+        return train_one_epoch(
+            self.model,
+            [self.batch] * steps,
+            self.optimizer,
+            self.precision,
+            self.loss_fn,
+            NullTracker(),
+            self.env,
+            1,
+            1,
+        )
