@@ -315,7 +315,7 @@ def build_precision(cfg: Config, device: torch.device) -> Precision:
 
     ``--opt-level auto`` must have been resolved (``app.autotune.decide``)."""
     if cfg.opt_level == "auto":
-        raise ValueError("--opt-level auto reached build_precision: resolve it with app.autotune.decide")
+        raise ValueError("--opt-level auto must be resolved first, by app.autotune.decide")
     configure_fp32_ops(cfg.fp32_ops)
     if cfg.amp_backend == "apex":
         if device.type != "cuda":

@@ -113,7 +113,7 @@ def cfg(**kwargs):
 
 
 def test_auto_must_be_resolved_before_building_a_precision():
-    with pytest.raises(ValueError, match="app.autotune"):
+    with pytest.raises(ValueError, match=r"app\.autotune"):
         build_precision(Config(), CPU)
 
 
@@ -156,7 +156,8 @@ def test_missing_apex_says_how_to_get_it(monkeypatch):
 def test_apex_is_imported_only_when_chosen():
     code = (
         "import sys; from app.config import Config; from app.precision import "
-        "build_precision; import torch; build_precision(Config(opt_level='O1'), torch.device('cpu')); "
+        "build_precision; import torch; "
+        "build_precision(Config(opt_level='O1'), torch.device('cpu')); "
         "import app.train; assert not any(m.startswith('apex') for m in sys.modules)"
     )
     import subprocess
