@@ -68,19 +68,20 @@ class Capabilities:
 def cpu_info() -> tuple[str, frozenset[str]]:
     """The CPU's model name and feature flags from ``/proc/cpuinfo`` (Linux); elsewhere the
     platform's processor name and no flags."""
-    name, flags = "", frozenset()
+    fields: dict[str, str] = {}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("model name", "hardware", "cpu model") and not name:
-            name = value.strip()
-        elif key in ("flags", "features") and not flags:
-            flags = frozenset(value.split())
-    return name or platform.processor() or platform.machine() or "unknown CPU", flags
+        fields.setdefault(key.strip().lower(), value.strip())
+    name = fields.get("model name") or fields.get("hardware") or fields.get("cpu model", "")
+    name = name or platform.processor() or platform.machine() or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:  # virtual CPUs are often just "AMD EPYC"
+        name += f" family {fields['cpu family']} model {fields['model']}"
+    flags = frozenset((fields.get("flags") or fields.get("features", "")).split())
+    return name, flags
 
 
 def cpu_capabilities() -> Capabilities:

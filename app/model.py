@@ -77,15 +77,17 @@ class UNet3d(nn.Module):
         return self.head(x)
 
 
-def use_channels_last(model: nn.Module) -> nn.Module:
+def use_channels_last(model: nn.Module, restride_gradients: bool = True) -> nn.Module:
     """Keep weights and activations in ``channels_last_3d`` (NDHWC) memory format.
 
     Inputs are converted by a forward pre-hook, so callers pass ordinary tensors. Whether it is
     faster depends on the device and precision: ``--memory-format auto`` measures it.
+    ``restride_gradients=False`` leaves out the fix for DDP's stride warning (its benchmark,
+    ``bench/ddp_strides.py``, times both).
     """
     model.to(memory_format=torch.channels_last_3d)
     model.register_forward_pre_hook(_to_channels_last)
-    for param in model.parameters():
+    for param in model.parameters() if restride_gradients else ():
         if _layout_is_ambiguous(param):
             param.register_hook(_gradient_like(param))
     return model

@@ -68,6 +68,26 @@ def test_train_step_compares_precisions_side_by_side(tmp_path, capsys):
     assert all(re.search(r" \d+\.\d\dx ", row) for row in table.values())
 
 
+def test_train_step_shows_every_auto_candidate_and_its_pick(monkeypatch, capsys):
+    from app import autotune
+    from app.hardware import Capabilities
+
+    amx = Capabilities("cpu", "Xeon", "AVX512", native_bf16=True, native_fp16=False, amx=True)
+    monkeypatch.setattr(train_step, "detect", lambda device: amx)
+    argv = ["--f-maps", "4", "--depth", "3", "--batch-size", "2", "--patch-size", "16", "32", "32"]
+    argv += ["--device", "cpu", "--steps", "1", "--repeats", "1", "--warmup", "1"]
+    assert train_step.main([*argv, "--compare-auto", "--include-excluded"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^auto probe: measured per step: ", out, re.M)
+    labels = [c.label for c in autotune.candidates(autotune.Config(), amx)[0]]
+    table = [line for line in out.splitlines() if line.split(",")[0] in ("fp32", "bf16 autocast")]
+    assert [line[: len(lab)] for line, lab in zip(table, labels)] == labels
+    assert sum("<- auto picks" in line for line in table) == 1
+    assert any(
+        line.startswith("fp16 autocast") and "(left out)" in line for line in out.splitlines()
+    )
+
+
 def test_train_step_refuses_to_compare_apex_levels(capsys):
     argv = [*TINY, "--device", "cpu", "--amp-backend", "apex", "--compare-precision"]
     assert train_step.main(argv) == 2
