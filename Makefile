@@ -38,7 +38,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 bench: $(STAMP)
-	$(PY) bench/train_step.py --config configs/demo.yaml --compare-auto --include-excluded
+	$(PY) bench/train_step.py --config configs/demo.yaml --compare-auto
 	$(PY) bench/ddp_strides.py --config configs/demo.yaml
 	$(PY) bench/data_pipeline.py --config configs/demo.yaml
 
