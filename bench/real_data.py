@@ -1,0 +1,458 @@
+"""Quality on real data: the MNI152 2009 T1 template as a segmentation task, and a training run
+timed against its classical floor. A benchmark, not a test.
+
+    python bench/real_data.py write --out datasets/MNI152/t1-gm
+    python bench/real_data.py floor --data datasets/MNI152/t1-gm
+    python bench/real_data.py train --data datasets/MNI152/t1-gm --budget-s 300 [trainer flags]
+
+``write`` takes nilearn's packaged template (``load_mni152_template(resolution=1)``: the
+skull-stripped ICBM152 2009a symmetric T1 at 1 mm, 197x233x189, scaled to [0, 1]; no download)
+and its grey-matter probability map (``load_mni152_gm_template``, same grid). The task: label =
+GM probability > 0.5. The volume is reoriented to (D, H, W) = (superior, anterior, right), so the
+trainer's patch depth runs along z, and cropped to the bounding box of the brain (the template is
+zero outside it). The inferior half of z trains and the superior half validates, each cut into
+``--slabs`` slabs along z, one file per slab:
+
+    OUT/train_patches/{images,labels}/mni152_z000_019.nii.gz ...  (inferior half)
+    OUT/val_patches/{images,labels}/mni152_z077_096.nii.gz ...    (superior half)
+
+Each slab keeps its position in the affine. ``write`` (and ``floor``) then print the classical
+floor (``app.floor``: best threshold and best band picked on train, scored on val, and Otsu) on
+the images as the trainer normalises them (per volume, ``zscore`` by default, and ``percentile``)
+and on the raw intensities.
+
+``train`` runs the trainer (``python -m app.train``, or ``launch.sh`` with ``--nproc N``) with
+the given trainer flags and a large ``--epochs`` unless one is given, reads its ``metrics.jsonl``
+as it grows, and stops the process group once the cumulative training time (``train_time_s``;
+``epoch_time_s``, which includes validation, where a record lacks it) reaches ``--budget-s``
+(checked at each epoch's record, so the last epoch may overrun it). It prints one row per epoch
+(cumulative training seconds, epoch, val Dice, the floor) and when the model's Dice first beat
+the floor; ``--plot PATH`` draws Dice against training seconds. The floor is the val Dice of the
+better band rule: on the images as the trainer normalises them, or on the raw intensities (a
+classical rule is free to use those). The trainer's output goes to
+``RUN_DIR/real_data_trainer.log``. Works on any data root, not only the MNI152 task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from app.data import SPLITS, binarize_label, load_split, pair_files  # noqa: E402
+from app.floor import Floors, classical_floors, floors_from_volumes  # noqa: E402
+from app.volume_io import VolumeMeta, is_volume_file, read_volume, write_volume  # noqa: E402
+
+NAME_PREFIX = "mni152_z"
+GM_THRESHOLD = 0.5
+AXES = ("S", "A", "R")  # array axes after reorientation: (D, H, W) = (z, y, x)
+DEFAULT_EPOCHS = 100_000  # "until stopped": the budget ends the run
+STOP_GRACE_S = 20  # after SIGTERM, before SIGKILL
+
+
+# --------------------------------------------------------------------------------------------
+# write
+# --------------------------------------------------------------------------------------------
+def load_template(stride: int = 1):
+    """(T1 image, GM probability image) on one grid, reoriented to ``AXES``, cropped to the
+    brain's bounding box, and subsampled by ``stride`` (for tests; 1 = the full 1 mm grid);
+    then the crop box and the stored shape and orientation."""
+    import nibabel as nib
+    from nilearn import datasets
+
+    t1 = datasets.load_mni152_template(resolution=1)
+    gm = datasets.load_mni152_gm_template(resolution=1)
+    stored = f"{'x'.join(map(str, t1.shape))} stored as {','.join(nib.aff2axcodes(t1.affine))}"
+    if t1.shape != gm.shape or not np.allclose(t1.affine, gm.affine):
+        from nilearn.image import resample_to_img
+
+        gm = resample_to_img(gm, t1, interpolation="continuous", force_resample=True)
+    # find z from the affine rather than assuming the stored order
+    transform = nib.orientations.ornt_transform(
+        nib.orientations.io_orientation(t1.affine), nib.orientations.axcodes2ornt(AXES)
+    )
+    t1, gm = t1.as_reoriented(transform), gm.as_reoriented(transform)
+    # the skull-stripped template is exactly 0 outside the brain: crop that margin away
+    inside = np.argwhere(np.asarray(t1.dataobj) > 0)
+    lo, hi = inside.min(0), inside.max(0) + 1
+    box = tuple(slice(int(a), int(b), stride) for a, b in zip(lo, hi))
+    return t1.slicer[box], gm.slicer[box], (lo, hi), stored
+
+
+def slab_bounds(start: int, stop: int, slabs: int) -> list[tuple[int, int]]:
+    edges = np.linspace(start, stop, slabs + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in itertools.pairwise(edges) if b > a]
+
+
+def clear_output(out: Path, overwrite: bool) -> None:
+    """Refuse to mix with volumes already there, unless ``--overwrite`` (ours only go)."""
+    folders = [out / SPLITS[s] / kind for s in ("train", "val") for kind in ("images", "labels")]
+    existing = [p for f in folders if f.is_dir() for p in sorted(f.iterdir()) if is_volume_file(p)]
+    ours = [p for p in existing if p.name.startswith(NAME_PREFIX)]
+    others = [p for p in existing if not p.name.startswith(NAME_PREFIX)]
+    if others:
+        raise SystemExit(f"error: {others[0]} (and {len(others) - 1} more) would mix with the task")
+    if ours and not overwrite:
+        raise SystemExit(f"error: {out} already holds a task ({ours[0].name}, ...); --overwrite")
+    for path in ours:
+        path.unlink()
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+def write_task(out: Path, slabs: int, stride: int, overwrite: bool) -> dict:
+    """Write the slabs; returns what was written, for the report."""
+    t1, gm, (lo, hi), stored = load_template(stride)
+    clear_output(out, overwrite)
+    depth = t1.shape[0]
+    half = depth // 2
+    written: dict[str, list] = {"train": [], "val": []}
+    # z grows superior (AXES[0] == "S"): the low half is inferior
+    for split, (start, stop) in (("train", (0, half)), ("val", (half, depth))):
+        for z0, z1 in slab_bounds(start, stop, slabs):
+            image = t1.slicer[z0:z1]
+            label = (np.asarray(gm.slicer[z0:z1].dataobj) > GM_THRESHOLD).astype(np.uint8)
+            data = np.asarray(image.dataobj, dtype=np.float32)
+            meta = VolumeMeta(".nii.gz", affine=image.affine)
+            name = f"{NAME_PREFIX}{z0:03d}_{z1:03d}.nii.gz"
+            write_volume(out / SPLITS[split] / "images" / name, data, meta)
+            write_volume(out / SPLITS[split] / "labels" / name, label, meta)
+            written[split].append((name, data.shape, float(label.mean())))
+    return {
+        "stored": stored,
+        "cropped_shape": t1.shape,
+        "crop_lo": lo.tolist(),
+        "crop_hi": hi.tolist(),
+        "voxel_mm": [float(z) for z in t1.header.get_zooms()[:3]],
+        "written": written,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# floor
+# --------------------------------------------------------------------------------------------
+def raw_split(root: Path, split: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    images, labels = [], []
+    for _, image_path, label_path in pair_files(root / SPLITS[split]):
+        images.append(read_volume(image_path)[0].astype(np.float32))
+        labels.append(binarize_label(read_volume(label_path)[0], label_path))
+    return images, labels
+
+
+def data_floors(root: Path, normalization: str) -> Floors:
+    """The floor of the task as the trainer sees it (``raw``: the files' own intensities)."""
+    if normalization == "raw":
+        return classical_floors(*raw_split(root, "train"), *raw_split(root, "val"))
+    return floors_from_volumes(
+        load_split(root, "train", normalization), load_split(root, "val", normalization)
+    )
+
+
+def print_floors(root: Path, modes: Sequence[str] = ("zscore", "percentile", "raw")) -> dict:
+    print("classical floor: rule picked on train (global Dice), scored on val (global Dice)")
+    found = {}
+    for mode in modes:
+        started = time.perf_counter()
+        floors = data_floors(root, mode)
+        found[mode] = floors.to_dict()
+        print(f"  images {mode} ({time.perf_counter() - started:.1f} s):")
+        for line in floors.describe().splitlines():
+            print(f"    {line}")
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# train
+# --------------------------------------------------------------------------------------------
+def machine_header() -> str:
+    import torch
+
+    from app.hardware import cpu_info
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    return (
+        f"machine: {cpu_info()[0]}, {os.cpu_count()} logical CPUs, {gpu}; "
+        f"torch {torch.__version__}, Python {sys.version.split()[0]}"
+    )
+
+
+def has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def read_records(path: Path) -> list[dict]:
+    """Complete lines only: the trainer may be halfway through writing the last one."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]  # whatever follows the last newline is still being written
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the trainer's process group (torchrun, ranks, DataLoader workers), then
+    SIGKILL whatever is left after ``STOP_GRACE_S``."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def trainer_command(nproc: int, trainer_args: list[str]) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ, NO_ALBUMENTATIONS_UPDATE="1", PYTHONUNBUFFERED="1")
+    if nproc == 1:
+        return [sys.executable, "-m", "app.train", *trainer_args], env
+    env.update(NPROC_PER_NODE=str(nproc), PYTHON=sys.executable)
+    return ["bash", str(ROOT / "launch.sh"), *trainer_args], env
+
+
+def plot_curve(
+    path: Path, rows: list[tuple], floors: Floors, mode: str, budget_s: float, title: str
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(t, d) for t, _, d in rows if d is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    if points:
+        ax.plot(*zip(*points), marker="o", ms=3, label="model, val Dice (global)")
+    ax.axhline(
+        floors.band.val_dice,
+        color="tab:red",
+        ls="--",
+        label=f"band floor ({mode} images) {floors.band.val_dice:.3f}",
+    )
+    ax.axhline(
+        floors.threshold.val_dice,
+        color="tab:gray",
+        ls=":",
+        label=f"threshold floor ({mode} images) {floors.threshold.val_dice:.3f}",
+    )
+    ax.axvline(budget_s, color="k", lw=0.8, alpha=0.4)
+    ax.set_xlabel("cumulative training time (s)")
+    ax.set_ylabel("validation Dice")
+    ax.set_ylim(0, 1)
+    ax.set_title(textwrap.fill(title, 100), fontsize=7)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@dataclass
+class Progress:
+    """The run so far, one metrics.jsonl record at a time."""
+
+    floor: float
+    rows: list[tuple[float, int, float | None]] = field(default_factory=list)  # (s, epoch, dice)
+    train_s: float = 0.0
+    first_beat: tuple[float, int, float] | None = None
+    counts_validation: bool = False  # a record without train_time_s: epoch_time_s was used
+
+    def add(self, record: dict) -> str:
+        """Account one epoch; returns its table row."""
+        if "train_time_s" in record:
+            self.train_s += record["train_time_s"]
+        else:
+            self.train_s += record["epoch_time_s"]
+            self.counts_validation = True
+        dice = record.get("dice")  # absent on epochs that --val-every skips
+        self.rows.append((self.train_s, record["epoch"], dice))
+        if dice is not None and dice > self.floor and self.first_beat is None:
+            self.first_beat = (self.train_s, record["epoch"], dice)
+        shown = "-" if dice is None else f"{dice:.4f}"
+        margin = "" if dice is None else f"{dice - self.floor:+.4f}"
+        mark = "" if "train_time_s" in record else "  (epoch_time_s)"
+        epoch = record["epoch"]
+        return f"{self.train_s:9.1f} {epoch:6d} {shown:>9} {self.floor:7.4f} {margin:>8}{mark}"
+
+
+def watch(
+    proc: subprocess.Popen,
+    metrics: Path,
+    progress: Progress,
+    budget_s: float,
+    wall_limit_s: float,
+    poll_s: float,
+) -> str:
+    """Follow ``metrics`` until the training budget is spent, the trainer exits or the wall
+    limit passes; returns which. The trainer is left running (the caller stops it)."""
+    started = time.monotonic()
+    while True:
+        exited = proc.poll() is not None  # before reading: its last record is then in the file
+        for record in read_records(metrics)[len(progress.rows) :]:
+            print(progress.add(record), flush=True)
+            if progress.train_s >= budget_s:
+                return f"budget of {budget_s:g} s of training reached"
+        if exited:
+            return f"trainer exited with code {proc.returncode}"
+        if time.monotonic() - started > wall_limit_s:
+            return f"wall limit of {wall_limit_s:g} s reached"
+        time.sleep(poll_s)
+
+
+def train(args: argparse.Namespace, trainer_args: list[str]) -> int:
+    from app.config import ConfigError, load_config
+
+    run_dir = Path(args.output_dir or f"runs/real_data/{time.strftime('%Y%m%d-%H%M%S')}")
+    user_args = " ".join(trainer_args) or "(trainer defaults)"
+    trainer_args = [*trainer_args, "--data-root", str(args.data), "--output-dir", str(run_dir)]
+    if not has_flag(trainer_args, "--epochs"):
+        trainer_args += ["--epochs", str(DEFAULT_EPOCHS)]
+    if not has_flag(trainer_args, "--resume"):
+        trainer_args += ["--resume", "none"]  # a benchmark starts from scratch
+    try:
+        cfg = load_config(trainer_args)  # the trainer's own parsing: bad flags fail here
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # A classical rule may use the raw intensities, so the floor to beat is the better of the
+    # band on the trainer's normalised images and the band on the raw ones (per-volume z-scores
+    # of slabs with different brain fractions do not share one band; raw intensities do).
+    candidates = {mode: data_floors(Path(args.data), mode) for mode in (cfg.normalization, "raw")}
+    floor_mode = max(candidates, key=lambda mode: candidates[mode].band.val_dice)
+    floors = candidates[floor_mode]
+    progress = Progress(floors.band.val_dice)
+    wall_limit = args.wall_limit_s or 4 * args.budget_s + 600
+    command, env = trainer_command(args.nproc, trainer_args)
+
+    nproc = f"NPROC_PER_NODE={args.nproc} " if args.nproc > 1 else ""
+    print(f"real_data train: {machine_header()}")
+    print(f"data {args.data} ({cfg.normalization}), run dir {run_dir}")
+    print(f"trainer: {nproc}{' '.join(command)}")
+    print(
+        f"budget {args.budget_s:g} s of training time (train_time_s; validation not counted), "
+        f"wall limit {wall_limit:g} s"
+    )
+    print("classical floor, picked on train, scored on val (the floor column: the best band):")
+    for mode, found in candidates.items():
+        for rule in (found.threshold, found.band, found.otsu):
+            mark = "  <- the floor" if rule is floors.band else ""
+            print(f"  {mode:<10} {rule.describe()}{mark}")
+    print(f"{'train s':>9} {'epoch':>6} {'val dice':>9} {'floor':>7} {'margin':>8}")
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "real_data_trainer.log"
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        # its own session, so one signal reaches torchrun, every rank and their workers
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            reason = watch(
+                proc, run_dir / "metrics.jsonl", progress, args.budget_s, wall_limit, args.poll_s
+            )
+        finally:
+            stop_group(proc)
+    failed = reason.startswith("trainer exited") and proc.returncode != 0
+
+    print(f"stopped: {reason}, {time.monotonic() - started:.0f} s wall; trainer log {log_path}")
+    if progress.counts_validation:
+        print(
+            "note: some records had no train_time_s; their epoch_time_s (with validation) counted"
+        )
+    if failed:
+        print("last lines of the trainer log:")
+        print("\n".join(log_path.read_text(errors="replace").splitlines()[-15:]))
+    validated = [r for r in progress.rows if r[2] is not None]
+    if validated:
+        s, epoch, dice = max(validated, key=lambda r: r[2])
+        print(
+            f"best val Dice {dice:.4f} at {s:.1f} s (epoch {epoch}); "
+            f"band floor {progress.floor:.4f}"
+        )
+    if progress.first_beat:
+        s, epoch, dice = progress.first_beat
+        print(
+            f"first beat the band floor at {s:.1f} s of training (epoch {epoch}, Dice {dice:.4f})"
+        )
+    else:
+        print(
+            f"did not beat the band floor ({progress.floor:.4f}) in {progress.train_s:.1f} s "
+            "of training"
+        )
+    if args.plot:
+        title = f"{args.data} ({cfg.normalization}): {user_args}"
+        plot_curve(Path(args.plot), progress.rows, floors, floor_mode, args.budget_s, title)
+        print(f"plot: {args.plot}")
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    w = sub.add_parser("write", help="write the MNI152 T1 / grey-matter task, print its floor")
+    w.add_argument("--out", type=Path, required=True, help="data root to write")
+    w.add_argument("--slabs", type=int, default=4, help="slabs per half (default 4)")
+    w.add_argument("--stride", type=int, default=1, help="keep every Nth voxel (tests)")
+    w.add_argument("--overwrite", action="store_true", help="replace a task written before")
+    f = sub.add_parser("floor", help="print the classical floor of a data root")
+    f.add_argument("--data", type=Path, required=True)
+    t = sub.add_parser(
+        "train",
+        allow_abbrev=False,
+        help="train until a budget of training seconds, against the floor; other flags go to "
+        "the trainer",
+    )
+    t.add_argument("--data", type=Path, required=True, help="data root (--data-root)")
+    t.add_argument("--budget-s", type=float, default=300.0, help="training seconds (default 300)")
+    t.add_argument("--output-dir", help="run dir (default runs/real_data/TIMESTAMP)")
+    t.add_argument("--nproc", type=int, default=1, help="processes; above 1 runs launch.sh")
+    t.add_argument("--plot", help="PNG of val Dice against training seconds, with the floor")
+    t.add_argument("--poll-s", type=float, default=1.0, help="metrics.jsonl polling interval")
+    t.add_argument("--wall-limit-s", type=float, help="stop anyway (default 4 x budget + 600)")
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.mode != "train":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+
+    if args.mode == "write":
+        if args.slabs < 1 or args.stride < 1:
+            parser.error("--slabs and --stride must be at least 1")
+        info = write_task(args.out, args.slabs, args.stride, args.overwrite)
+        lo, hi = info["crop_lo"], info["crop_hi"]
+        print(
+            f"ICBM152 2009a symmetric T1 template (nilearn, packaged, 1 mm, {info['stored']}),"
+            f" as (D, H, W) = {AXES}, cropped to the brain: z {lo[0]}:{hi[0]}, y {lo[1]}:{hi[1]},"
+            f" x {lo[2]}:{hi[2]} -> {tuple(info['cropped_shape'])}, voxel {info['voxel_mm']} mm"
+        )
+        for split, where in (("train", "inferior half"), ("val", "superior half")):
+            for name, shape, fg in info["written"][split]:
+                print(f"  {SPLITS[split]}/{name}: {shape}, GM {fg:.1%} ({where})")
+        print_floors(args.out)
+        return 0
+    if args.mode == "floor":
+        print_floors(args.data)
+        return 0
+    if args.nproc < 1 or args.budget_s <= 0:
+        parser.error("--nproc must be at least 1 and --budget-s positive")
+    return train(args, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
