@@ -307,7 +307,8 @@ def pick(
             parts.append(f"{cand} not timed ({entry['note']})")
         else:
             ratio = entry["ms"] / fastest
-            parts.append(f"{cand} {entry['ms']:.0f} ms" + (f" ({ratio:.2f}x)" if ratio > 1 else ""))
+            slower = f" ({ratio:.2f}x)" if ratio >= 1.005 else ""
+            parts.append(f"{cand} {entry['ms']:.0f} ms{slower}")
     return choice, "measured per step: " + "; ".join(parts)
 
 
