@@ -61,11 +61,11 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from app import autotune  # noqa: E402
 from app.config import Config, ConfigError, build_parser, load_config  # noqa: E402
-from app.distributed import DistEnv, prepare, resolve_device  # noqa: E402
+from app.distributed import DistEnv, resolve_device  # noqa: E402
 from app.hardware import detect, machine_line  # noqa: E402
-from app.model import UNet3d, build_model  # noqa: E402
-from app.precision import Precision, build_precision  # noqa: E402
-from app.steps import SyntheticStepper, build_optimizer  # noqa: E402
+from app.model import UNet3d  # noqa: E402
+from app.precision import Precision  # noqa: E402
+from app.steps import SyntheticStepper  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -198,13 +198,10 @@ def build_level(
     cfg: Config, env: DistEnv
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Precision]:
     """The trainer's model, Adam and precision for ``cfg``, through ``prepare()`` for ``env``
-    (for checks that drive the step themselves; timing uses ``SyntheticStepper``)."""
-    precision = build_precision(cfg, env.device)
+    (for checks that drive the step themselves; timing uses ``SyntheticStepper`` directly)."""
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg, env.device)  # in cfg's --memory-format
-    optimizer = build_optimizer(model, cfg, env, precision.backend)
-    model, optimizer = prepare(model, optimizer, precision, env)
-    return model, optimizer, precision
+    stepper = SyntheticStepper(cfg, env)
+    return stepper.model, stepper.optimizer, stepper.precision
 
 
 def measure(
