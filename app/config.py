@@ -31,6 +31,16 @@ def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
 
 @dataclass
 class Config:
+    # plan
+    plan: Literal["none", "auto"] = _opt(
+        "none",
+        "auto: derive normalisation, norm layer, patch, batch, f_maps, depth, samples per volume, "
+        "epochs, milestones and validation cadence from the data and a measured step on this "
+        "device (app/plan.py); settings given in --config or as flags are kept",
+        "plan",
+    )
+    plan_budget_s: float = _opt(900.0, "training seconds that --plan auto fills", "plan")
+
     # data
     data_root: str = _opt(
         "datasets/IronGrain/74x320x320",
@@ -42,20 +52,31 @@ class Config:
     foreground_fraction: float = _opt(
         0.33, "fraction of patches centred on a foreground voxel", "data"
     )
-    normalization: Literal["zscore", "percentile"] = _opt(
+    normalization: Literal["zscore", "percentile", "dataset"] = _opt(
         "zscore",
-        "per-volume intensity normalisation: z-score, or clip to 0.5-99.5 percentiles and scale "
-        "to [0, 1]",
+        "intensity normalisation: per-volume z-score; per-volume clip to the 0.5-99.5 "
+        "percentiles scaled to [0, 1]; or dataset = one clip and z-score fitted on the training "
+        "set (kept in the checkpoint), for intensities that mean the same in every volume (CT)",
         "data",
     )
-    augment: bool = _opt(
-        True, "flips, brightness/contrast, noise and blur on training patches", "data"
+    augment: bool = _opt(True, "augment training patches (see --augment-level)", "data")
+    augment_level: Literal["basic", "full"] = _opt(
+        "basic",
+        "basic: flips, brightness/contrast, noise, blur; full: also MONAI rotation, scaling, "
+        "elastic deformation and gamma (app/augment.py)",
+        "data",
     )
     num_workers: int = _opt(2, "DataLoader worker processes per training process", "data")
 
     # model
     f_maps: int = _opt(32, "feature maps of the first U-Net level (doubled at each level)", "model")
     depth: int = _opt(4, "U-Net levels, counting the bottleneck", "model")
+    norm: Literal["batch", "instance", "group"] = _opt(
+        "batch",
+        "normalisation layer: batch (SyncBatchNorm under DDP on CUDA), or instance or group, "
+        "which do not depend on the batch (small batches; see README)",
+        "model",
+    )
     memory_format: Literal["auto", "channels_last", "contiguous"] = _opt(
         "auto",
         "weights and activations in channels_last_3d or contiguous layout; auto = measured on "
@@ -116,7 +137,13 @@ class Config:
         "non-overlapping patch grid that covers each volume",
         "eval",
     )
-    val_every: int = _opt(1, "validate every N epochs (and always at the last)", "eval")
+    val_every: int = _opt(
+        0,
+        "validate every N epochs; 0 = as often as keeps validation within --val-share of the "
+        "training time, measured (the last epoch always validates)",
+        "eval",
+    )
+    val_share: float = _opt(0.1, "share of training time that --val-every 0 allows", "eval")
     sw_overlap: float = _opt(0.5, "sliding-window overlap for --val-mode whole", "eval")
     sw_batch_size: int = _opt(2, "windows per forward pass in sliding-window inference", "eval")
 
@@ -267,6 +294,12 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 def load_config(argv: list[str] | None = None) -> Config:
     """Defaults < YAML < flags, then validated. Exits with a usage message on a bad flag."""
+    return load_config_and_given(argv)[0]
+
+
+def load_config_and_given(argv: list[str] | None = None) -> tuple[Config, frozenset[str]]:
+    """:func:`load_config`, and the names of the settings given in the YAML file or as flags
+    (what ``--plan auto`` must not change)."""
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     config_path = args.pop("config", None)
@@ -276,7 +309,7 @@ def load_config(argv: list[str] | None = None) -> Config:
         values["patch_size"] = tuple(values["patch_size"])
     cfg = Config(**values)
     validate(cfg)
-    return cfg
+    return cfg, frozenset(values)
 
 
 def validate(cfg: Config) -> None:
@@ -294,7 +327,6 @@ def validate(cfg: Config) -> None:
         "f_maps",
         "epochs",
         "batch_size",
-        "val_every",
         "log_every",
         "sw_batch_size",
         "dist_timeout_s",
@@ -324,6 +356,9 @@ def validate(cfg: Config) -> None:
         "and --dice-weight must be non-negative and not both zero",
     )
     need(0.0 <= cfg.sw_overlap < 1.0, "sw_overlap", "must be within [0, 1)")
+    need(cfg.plan_budget_s > 0, "plan_budget_s", "must be positive")
+    need(cfg.val_every >= 0, "val_every", "must be 0 (auto) or more")
+    need(0 < cfg.val_share <= 1, "val_share", "must be within (0, 1]")
     need(
         cfg.resume in ("auto", "none") or Path(cfg.resume).suffix == ".pt",
         "resume",

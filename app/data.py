@@ -1,4 +1,5 @@
-"""IronGrain volumes: pairing, validation, normalisation, patch sampling and augmentation.
+"""IronGrain volumes: pairing, validation, normalisation and patch sampling (augmentation:
+``app.augment``).
 
 Layout: ``ROOT/{train,val}_patches/{images,labels}/NAME.ext``; a label shares its image's NAME.
 Every file is checked when the split is loaded, and all problems are reported at once, each line
@@ -7,7 +8,8 @@ naming its file, before any training starts.
 Policies:
 
 - Labels: ``{0, 1}``, ``{0, 255}`` or bool; stored as uint8 ``{0, 1}``.
-- Normalisation is per volume: z-score, or clipping to the 0.5-99.5 percentiles scaled to [0, 1].
+- Normalisation (:class:`Normalization`): per volume (z-score, or clipping to the 0.5-99.5
+  percentiles scaled to [0, 1]), or one clip and z-score fitted on the training set (``dataset``).
 - A volume smaller than the training patch is padded, centred, to the patch size: the image with
   its own minimum (CT background is dark) and the label with 0. Validation and prediction pad the
   same way and crop the result back, so padded voxels never count in a metric.
@@ -16,19 +18,17 @@ Policies:
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+import albumentations as A
 import numpy as np
 import torch
-from scipy import ndimage
 from torch.utils.data import Dataset
 
+from app.augment import Augment
 from app.volume_io import EXTENSIONS, VolumeError, is_volume_file, read_volume, split_ext
-
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # no PyPI call from every worker
-import albumentations as A
 
 SPLITS = {"train": "train_patches", "val": "val_patches"}
 FOREGROUND_SAMPLES = 10_000  # candidate centres kept per volume for foreground oversampling
@@ -70,14 +70,81 @@ def check_finite(array: np.ndarray, path: Path) -> None:
 
 
 def normalize(image: np.ndarray, mode: str) -> np.ndarray:
-    image = image.astype(np.float32, copy=False)
-    if mode == "zscore":
-        mean, std = float(image.mean(dtype=np.float64)), float(image.std(dtype=np.float64))
-        return ((image - mean) / max(std, 1e-8)).astype(np.float32)
-    if mode == "percentile":
-        low, high = np.percentile(image, (0.5, 99.5))
-        return ((np.clip(image, low, high) - low) / max(high - low, 1e-8)).astype(np.float32)
-    raise ValueError(f"unknown normalisation {mode!r}")
+    """Per-volume normalisation (``zscore`` or ``percentile``); see :class:`Normalization`."""
+    return Normalization(mode)(image)
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """How intensities are scaled before the network sees them.
+
+    ``zscore`` and ``percentile`` use each volume's own statistics. ``dataset`` (nnU-Net's CT
+    scheme) clips every volume to the 0.5-99.5 percentiles of the training set and z-scores it
+    with the training set's mean and std of the clipped values: one scale for all volumes, so an
+    intensity means the same tissue everywhere. Per-volume z-scores break that when volumes hold
+    different fractions of each tissue (MNI152 slabs: 6-77% brain), and a network then has to
+    learn each volume's shift. The fitted statistics travel in the checkpoint (``to_dict``).
+    ``raw`` (internal) leaves intensities as read.
+    """
+
+    mode: str
+    low: float | None = None
+    high: float | None = None
+    mean: float | None = None
+    std: float | None = None
+
+    PER_VOLUME = ("zscore", "percentile")
+    FIT_SAMPLES = 1_000_000  # voxels per training volume that the dataset statistics look at
+
+    def __post_init__(self) -> None:
+        if self.mode not in (*self.PER_VOLUME, "dataset", "raw"):
+            raise ValueError(f"unknown normalisation {self.mode!r}")
+        if self.mode == "dataset" and None in (self.low, self.high, self.mean, self.std):
+            raise ValueError("dataset normalisation needs statistics fitted on the training set")
+
+    @classmethod
+    def fit(cls, mode: str, images: list[np.ndarray]) -> Normalization:
+        """``mode`` ready to apply; ``dataset`` takes its statistics from ``images``."""
+        if mode != "dataset":
+            return cls(mode)
+        if not images:
+            raise DataError("dataset normalisation needs training volumes to fit its statistics")
+        sample = np.concatenate(
+            [im.ravel()[:: max(1, im.size // cls.FIT_SAMPLES)] for im in images]
+        ).astype(np.float64)
+        low, high = np.percentile(sample, (0.5, 99.5))
+        clipped = np.clip(sample, low, high)
+        return cls(mode, float(low), float(high), float(clipped.mean()), float(clipped.std()))
+
+    def __call__(self, image: np.ndarray) -> np.ndarray:
+        image = image.astype(np.float32, copy=False)
+        if self.mode == "raw":
+            return image
+        if self.mode == "zscore":
+            mean, std = float(image.mean(dtype=np.float64)), float(image.std(dtype=np.float64))
+            return ((image - mean) / max(std, 1e-8)).astype(np.float32)
+        if self.mode == "percentile":
+            low, high = np.percentile(image, (0.5, 99.5))
+            return ((np.clip(image, low, high) - low) / max(high - low, 1e-8)).astype(np.float32)
+        clipped = np.clip(image, self.low, self.high)
+        return ((clipped - self.mean) / max(self.std, 1e-8)).astype(np.float32)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def saved_in(cls, state: dict[str, Any] | None) -> Normalization | None:
+        """A checkpoint's normalisation (``None`` for checkpoints written before it was kept)."""
+        saved = (state or {}).get("normalization")
+        return cls(**saved) if saved else None
+
+    def describe(self) -> str:
+        if self.mode != "dataset":
+            return f"{self.mode} normalisation"
+        return (
+            f"dataset normalisation (clip {self.low:.4g}..{self.high:.4g}, "
+            f"mean {self.mean:.4g}, std {self.std:.4g})"
+        )
 
 
 def pair_files(split_dir: Path) -> list[tuple[str, Path, Path]]:
@@ -118,8 +185,14 @@ def pair_files(split_dir: Path) -> list[tuple[str, Path, Path]]:
 
 
 def load_volume_pair(
-    name: str, image_path: Path, label_path: Path, normalization: str, rng: np.random.Generator
+    name: str,
+    image_path: Path,
+    label_path: Path,
+    normalization: Normalization | str,
+    rng: np.random.Generator,
 ) -> Volume:
+    if isinstance(normalization, str):
+        normalization = Normalization(normalization)
     image, _ = read_volume(image_path)
     check_finite(image, image_path)
     label, _ = read_volume(label_path)
@@ -133,14 +206,18 @@ def load_volume_pair(
     foreground = np.flatnonzero(label)
     if foreground.size > FOREGROUND_SAMPLES:
         foreground = rng.choice(foreground, FOREGROUND_SAMPLES, replace=False)
-    return Volume(name, normalize(image, normalization), label, image_path, foreground)
+    return Volume(name, normalization(image), label, image_path, foreground)
 
 
-def load_split(root: Path | str, split: str, normalization: str, seed: int = 0) -> list[Volume]:
+def load_split(
+    root: Path | str, split: str, normalization: Normalization | str, seed: int = 0
+) -> list[Volume]:
     """Load and check every pair of a split; all problems are raised together."""
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: data root is missing (--data-root); see datasets/README.md")
+    if isinstance(normalization, str):
+        normalization = Normalization(normalization)
     pairs = pair_files(root / SPLITS[split])
     rng = np.random.default_rng(seed)
     volumes, problems = [], []
@@ -154,31 +231,22 @@ def load_split(root: Path | str, split: str, normalization: str, seed: int = 0) 
     return volumes
 
 
-class Augment:
-    """Random flips and intensity changes applied identically to a patch and its label.
-
-    Flips use albumentations (``HorizontalFlip``/``VerticalFlip`` on ``volume`` + ``mask3d``).
-    The depth flip and the intensity changes are written here: albumentations 2.0.8 has no depth
-    flip, its brightness/contrast and noise transforms raise ``KeyError: 'images'`` on the
-    ``volume`` target, and its blur clips float volumes to [0, 1], which destroys z-scored data.
-    """
-
-    def __init__(self) -> None:
-        self.flips = A.Compose([A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5)])
-
-    def __call__(self, image: np.ndarray, label: np.ndarray, rng: np.random.Generator):
-        self.flips.set_random_seed(int(rng.integers(2**31)))
-        out = self.flips(volume=image, mask3d=label)
-        image, label = out["volume"], out["mask3d"]
-        if rng.random() < 0.5:
-            image, label = image[::-1], label[::-1]
-        if rng.random() < 0.3:  # brightness and contrast
-            image = image * rng.uniform(0.85, 1.15) + rng.uniform(-0.15, 0.15)
-        if rng.random() < 0.15:
-            image = image + rng.normal(0.0, rng.uniform(0.0, 0.1), image.shape)
-        if rng.random() < 0.15:
-            image = ndimage.gaussian_filter(image, sigma=rng.uniform(0.5, 1.0))
-        return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label)
+def load_train_val(
+    root: Path | str,
+    mode: str,
+    seed: int = 0,
+    fitted: Normalization | None = None,
+    with_train: bool = True,
+) -> tuple[list[Volume], list[Volume], Normalization]:
+    """Both splits, normalised alike: ``fitted`` (a resumed run's) or fitted here on train."""
+    train = load_split(root, "train", "raw", seed) if with_train else []
+    if fitted is None:
+        if mode == "dataset" and not with_train:
+            raise DataError(f"{root}: dataset normalisation needs the training split to fit it")
+        fitted = Normalization.fit(mode, [vol.image for vol in train])
+    for vol in train:
+        vol.image = fitted(vol.image)
+    return train, load_split(root, "val", fitted, seed), fitted
 
 
 class PatchDataset(Dataset):
@@ -198,6 +266,7 @@ class PatchDataset(Dataset):
         foreground_fraction: float,
         augment: bool,
         seed: int,
+        augment_level: str = "basic",
     ):
         self.patch_size = tuple(patch_size)
         self.volumes = []
@@ -216,7 +285,7 @@ class PatchDataset(Dataset):
             self.volumes.append(vol)
         self.samples_per_volume = samples_per_volume
         self.foreground_fraction = foreground_fraction
-        self.augment = Augment() if augment else None
+        self.augment = Augment(augment_level) if augment else None
         self.seed = seed
         self.epoch = 0
 

@@ -7,17 +7,38 @@ import itertools
 import torch
 from torch import nn
 
+NORMS = ("batch", "instance", "group")
+GROUP_CHANNELS = 8  # channels per GroupNorm group: our narrowest level has 8
+
+
+def norm_layer(norm: str, channels: int) -> nn.Module:
+    """The normalisation after each convolution.
+
+    ``batch`` (default) is what SyncBatchNorm converts under DDP; its statistics come from the
+    batch, so with 2 patches per process they are noisy and the running averages used at
+    validation lag the weights. ``instance`` and ``group`` normalise each sample on its own (the
+    same in training and inference, nothing for SyncBN to convert). InstanceNorm is affine here,
+    as in nnU-Net.
+    """
+    if norm == "batch":
+        return nn.BatchNorm3d(channels)
+    if norm == "instance":
+        return nn.InstanceNorm3d(channels, affine=True)
+    if norm == "group":
+        return nn.GroupNorm(max(1, channels // GROUP_CHANNELS), channels)
+    raise ValueError(f"unknown norm {norm!r}; choose one of {', '.join(NORMS)}")
+
 
 class DoubleConv(nn.Sequential):
-    """(Conv3d 3x3x3 -> BatchNorm3d -> ReLU) twice. BatchNorm gives SyncBN something to convert."""
+    """(Conv3d 3x3x3 -> norm -> ReLU) twice; ``stem``: no norm after the first convolution."""
 
-    def __init__(self, in_channels: int, out_channels: int):
+    def __init__(self, in_channels: int, out_channels: int, norm: str = "batch", stem=False):
         super().__init__(
-            nn.Conv3d(in_channels, out_channels, 3, padding=1, bias=False),
-            nn.BatchNorm3d(out_channels),
+            nn.Conv3d(in_channels, out_channels, 3, padding=1, bias=stem),
+            nn.Identity() if stem else norm_layer(norm, out_channels),
             nn.ReLU(inplace=True),
             nn.Conv3d(out_channels, out_channels, 3, padding=1, bias=False),
-            nn.BatchNorm3d(out_channels),
+            norm_layer(norm, out_channels),
             nn.ReLU(inplace=True),
         )
 
@@ -29,10 +50,10 @@ class Up(nn.Module):
     so any input size works without padding or cropping.
     """
 
-    def __init__(self, in_channels: int, out_channels: int):
+    def __init__(self, in_channels: int, out_channels: int, norm: str = "batch"):
         super().__init__()
         self.up = nn.ConvTranspose3d(in_channels, out_channels, kernel_size=2, stride=2)
-        self.conv = DoubleConv(2 * out_channels, out_channels)
+        self.conv = DoubleConv(2 * out_channels, out_channels, norm)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         x = self.up(x, output_size=skip.shape[-3:])
@@ -46,14 +67,24 @@ class UNet3d(nn.Module):
     prediction, where it is computed in float32.
     """
 
-    def __init__(self, n_channels: int = 1, n_classes: int = 1, f_maps: int = 32, depth: int = 4):
+    def __init__(
+        self,
+        n_channels: int = 1,
+        n_classes: int = 1,
+        f_maps: int = 32,
+        depth: int = 4,
+        norm: str = "batch",
+    ):
         super().__init__()
         if depth < 2:
             raise ValueError(f"depth must be at least 2, got {depth}")
         widths = [f_maps * 2**i for i in range(depth)]
-        self.encoders = nn.ModuleList([DoubleConv(n_channels, widths[0])])
-        self.encoders.extend(DoubleConv(a, b) for a, b in itertools.pairwise(widths))
-        self.decoders = nn.ModuleList(Up(a, b) for a, b in zip(widths[::-1], widths[-2::-1]))
+        import os
+
+        stem = os.environ.get("IG_STEM") == "1"
+        self.encoders = nn.ModuleList([DoubleConv(n_channels, widths[0], norm, stem)])
+        self.encoders.extend(DoubleConv(a, b, norm) for a, b in itertools.pairwise(widths))
+        self.decoders = nn.ModuleList(Up(a, b, norm) for a, b in zip(widths[::-1], widths[-2::-1]))
         self.pool = nn.MaxPool3d(2)
         self.head = nn.Conv3d(widths[0], n_classes, kernel_size=1)
 
@@ -142,7 +173,7 @@ def resolve_memory_format(setting: str, device: torch.device) -> str:
 
 def build_model(cfg, device: torch.device) -> UNet3d:
     """The configured UNet3d on ``device``, in the configured memory format."""
-    model = UNet3d(n_channels=1, n_classes=1, f_maps=cfg.f_maps, depth=cfg.depth).to(device)
+    model = UNet3d(1, 1, cfg.f_maps, cfg.depth, cfg.norm).to(device)
     if resolve_memory_format(cfg.memory_format, device) == "channels_last":
         use_channels_last(model)
     return model

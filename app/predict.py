@@ -50,7 +50,7 @@ from tqdm import tqdm
 from app import precision as amp
 from app.checkpoint import CheckpointError, load_checkpoint
 from app.config import FIELDS, Config, ConfigError
-from app.data import check_finite, normalize
+from app.data import Normalization, check_finite
 from app.distributed import barrier, distributed_session, reduce_tensor
 from app.inference import predict_logits
 from app.model import build_model
@@ -106,12 +106,13 @@ class Predictor:
     window: tuple[int, int, int]
     overlap: float
     sw_batch_size: int
+    normalization: Normalization
     tta: bool = False
 
     def preprocess(self, raw: np.ndarray, path: Path | str) -> np.ndarray:
-        """The trainer's preprocessing: NaN/Inf check, then per-volume normalisation."""
+        """The trainer's preprocessing: NaN/Inf check, then its intensity normalisation."""
         check_finite(raw, Path(path))
-        return normalize(raw, self.cfg.normalization)
+        return self.normalization(raw)
 
     def logits(self, image: np.ndarray) -> torch.Tensor:
         """Float32 logits ``(1, 1, D, H, W)`` of a normalised ``(D, H, W)`` image."""
@@ -133,7 +134,7 @@ class Predictor:
     def describe(self) -> str:
         return (
             f"window {' '.join(map(str, self.window))}, overlap {self.overlap}, "
-            f"sw batch {self.sw_batch_size}, {self.cfg.normalization} normalisation, "
+            f"sw batch {self.sw_batch_size}, {self.normalization.describe()}, "
             f"{self.precision.describe()}{', 8x mirror TTA' if self.tta else ''}"
         )
 
@@ -199,7 +200,11 @@ def build_predictor(
     model = model.eval()
     initialized = precision.initialize(model, None)  # O3: half model; apex: patched functions
     model = initialized[0] if isinstance(initialized, tuple) else initialized
-    return Predictor(model, cfg, precision, window, overlap, sw_batch_size, tta)
+    try:
+        normalization = Normalization.saved_in(state) or Normalization(cfg.normalization)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unusable normalization in checkpoint ({exc})") from exc
+    return Predictor(model, cfg, precision, window, overlap, sw_batch_size, normalization, tta)
 
 
 def load_predictor(

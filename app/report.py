@@ -247,7 +247,7 @@ def write_montages(
     written = []
     rng = np.random.default_rng(0)
     for name, image_path, label_path in pair_files(root / SPLITS["val"])[:volumes]:
-        vol = load_volume_pair(name, image_path, label_path, predictor.cfg.normalization, rng)
+        vol = load_volume_pair(name, image_path, label_path, predictor.normalization, rng)
         logits = predictor.logits(vol.image)
         counts = confusion_counts(logits, torch.as_tensor(vol.label, device=logits.device))
         dice = float(dice_iou(counts.cpu())[0])

@@ -7,6 +7,7 @@ metrics, TensorBoard and checkpoints, then every rank passes a barrier.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -33,8 +34,8 @@ from app.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from app.config import Config, ConfigError, load_config, save_config
-from app.data import DataError, PatchDataset, load_split
+from app.config import Config, ConfigError, load_config_and_given, save_config
+from app.data import DataError, Normalization, PatchDataset, load_train_val
 from app.distributed import (
     DistEnv,
     barrier,
@@ -46,10 +47,11 @@ from app.distributed import (
 )
 from app.losses import BCEDiceLoss
 from app.model import build_model
+from app.plan import Plan, apply_plan, plan_for
 from app.precision import Precision, build_precision
 from app.steps import NonFiniteError, build_optimizer, check_steps_taken, train_one_epoch
 from app.tracking import make_tracker
-from app.validation import EvalResult, evaluate
+from app.validation import EvalResult, ValidationCadence, evaluate
 from app.volume_io import VolumeError
 
 log = logging.getLogger("app.train")
@@ -91,7 +93,9 @@ def checkpoint_state(
     best_dice: float,
     record: dict[str, Any],
     cfg: Config,
+    normalization: Normalization,
     resolved: dict[str, Any] | None = None,
+    plan: Plan | None = None,
 ) -> dict[str, Any]:
     return {
         "format_version": 1,
@@ -104,6 +108,8 @@ def checkpoint_state(
         "metrics": record,
         "config": cfg.to_dict(),
         "resolved": resolved or {},
+        "normalization": normalization.to_dict(),
+        "plan": dataclasses.asdict(plan) if plan else None,
         "rng": rng_state(),
     }
 
@@ -161,9 +167,44 @@ def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
     atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
 
 
-def train(settings: Config, env: DistEnv) -> dict[str, Any]:
+def planned(
+    settings: Config, given: frozenset[str], env: DistEnv, resumed: dict[str, Any] | None
+) -> tuple[Config, Plan | None]:
+    """``settings`` with ``--plan auto`` applied to what was not given: planned on rank 0 and
+    broadcast, or a resumed run's own plan (a new one could differ, and its weights would not
+    fit)."""
+    if settings.plan != "auto":
+        return settings, None
+    saved = (resumed or {}).get("plan")
+    if saved:
+        plan = Plan(**saved)
+    else:
+        result: Plan | str | None = None
+        if env.is_primary:
+            try:
+                processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+                result = plan_for(settings, env.device, processes)
+            except (DataError, VolumeError) as exc:
+                result = str(exc)
+        result = broadcast_object(result)
+        if isinstance(result, str):  # every rank stops with the same message
+            raise DataError(f"--plan auto: {result}")
+        plan = result
+    if env.is_primary:
+        kept = sorted(given & set(plan.values))
+        log.info(
+            "--plan auto (%s)%s:\n%s",
+            "the resumed run's plan" if saved else f"for {settings.plan_budget_s:g} s",
+            f", keeping the given {', '.join(kept)}" if kept else "",
+            plan.describe(),
+        )
+    return apply_plan(settings, given, plan), plan
+
+
+def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Train (or, with ``--eval-only``, evaluate) under ``settings``, whose ``auto`` fields are
-    resolved here for this machine (``app.autotune``)."""
+    resolved here for this machine (``app.autotune``); ``given``: the settings the user set,
+    which ``--plan auto`` keeps."""
     # fixed patch and window sizes: let cuDNN pick the fastest 3D convolution algorithms once
     torch.backends.cudnn.benchmark = env.device.type == "cuda"
     # decided on the primary rank so that every rank resumes from the same file
@@ -176,6 +217,7 @@ def train(settings: Config, env: DistEnv) -> dict[str, Any]:
             "not exist; pass --resume PATH or the --output-dir of a trained run"
         )
     resumed = load_checkpoint(resume_from) if resume_from is not None else None
+    settings, plan = planned(settings, given, env, resumed)
     decision = decide(settings, env, resumed)
     if env.is_primary:
         log.info("%s", decision.log_line())
@@ -183,10 +225,13 @@ def train(settings: Config, env: DistEnv) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     precision = build_precision(cfg, env.device)
 
-    train_volumes = (
-        [] if cfg.eval_only else load_split(cfg.data_root, "train", cfg.normalization, cfg.seed)
+    train_volumes, val_volumes, normalization = load_train_val(
+        cfg.data_root,
+        cfg.normalization,
+        cfg.seed,
+        fitted=Normalization.saved_in(resumed),  # the statistics its weights were trained on
+        with_train=not cfg.eval_only,
     )
-    val_volumes = load_split(cfg.data_root, "val", cfg.normalization, cfg.seed)
     train_set = PatchDataset(
         train_volumes,
         cfg.patch_size,
@@ -194,6 +239,7 @@ def train(settings: Config, env: DistEnv) -> dict[str, Any]:
         cfg.foreground_fraction,
         cfg.augment,
         cfg.seed,
+        cfg.augment_level,
     )
     sampler = DistributedSampler(
         train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed
@@ -219,12 +265,13 @@ def train(settings: Config, env: DistEnv) -> dict[str, Any]:
         )
 
     log.info(
-        "world size %d on %s; %s; %d train / %d val volumes; %.2fM parameters",
+        "world size %d on %s; %s; %d train / %d val volumes, %s; %.2fM parameters",
         env.world_size,
         env.device,
         precision.describe(),
         len(train_volumes),
         len(val_volumes),
+        normalization.describe(),
         sum(p.numel() for p in model.parameters()) / 1e6,
     )
 
@@ -238,7 +285,10 @@ def train(settings: Config, env: DistEnv) -> dict[str, Any]:
 
     tracker = make_tracker(cfg, env, start_epoch)
     if env.is_primary:
-        save_config(settings, cfg.run_dir / "config.yaml", resolved=decision.to_dict())
+        resolved = decision.to_dict()
+        if plan is not None:
+            resolved["plan"] = plan.reasons
+        save_config(settings, cfg.run_dir / "config.yaml", resolved=resolved)
         for path in remove_stale_temporaries(checkpoint_dir(cfg.run_dir)):
             log.info("removed %s, left by a checkpoint write that was interrupted", path)
     record: dict[str, Any] = {}
@@ -250,6 +300,7 @@ def train(settings: Config, env: DistEnv) -> dict[str, Any]:
             cfg.epochs,
             resumed_metrics,
         )
+    cadence = ValidationCadence(cfg.val_every, cfg.epochs, start_epoch, cfg.val_share)
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
@@ -269,11 +320,12 @@ def train(settings: Config, env: DistEnv) -> dict[str, Any]:
             "lr": lr,
         }
         sample, val_time = None, 0.0
-        if epoch % cfg.val_every == 0 or epoch == cfg.epochs:
+        if cadence.due(epoch):
             val_started = time.perf_counter()
             result, sample = run_evaluation(model, val_volumes, loss_fn, precision, env, cfg)
             val_time = time.perf_counter() - val_started
             record.update(result.summary())
+            cadence.measured(epoch, *broadcast_object((val_time, train_time)))
         voxels = totals.samples * math.prod(cfg.patch_size)
         record.update(
             train_time_s=train_time,
@@ -297,7 +349,9 @@ def train(settings: Config, env: DistEnv) -> dict[str, Any]:
                 best_dice,
                 record,
                 cfg,
+                normalization,
                 decision.to_dict(),
+                plan,
             )
             save_checkpoint(checkpoint_dir(cfg.run_dir) / "last.pt", state)
             if improved:
@@ -335,11 +389,11 @@ def log_versions() -> None:
 def main(argv: list[str] | None = None) -> int:
     setup_logging(int(os.environ.get("RANK", "0") or 0))
     try:
-        cfg = load_config(argv)
+        cfg, given = load_config_and_given(argv)
         with distributed_session(cfg) as env:
             setup_logging(env.rank)
             log_versions()
-            train(cfg, env)
+            train(cfg, env, given)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ counts, never from means of means.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,3 +119,27 @@ def evaluate(
     model.train(was_training)
     reduce_tensor(table)
     return EvalResult([v.name for v in volumes], table.cpu()), sample
+
+
+class ValidationCadence:
+    """Which epochs validate: every ``every`` epochs, or with ``every=0`` as often as keeps
+    validation within ``share`` of the training time, from the times measured at the last
+    validation (the first epoch validates, to measure). The last epoch always validates, and
+    every validation is of whole volumes, so the final and the best checkpoints are scored
+    whole. Call :meth:`measured` on every rank with the same figures (rank 0's, broadcast).
+    """
+
+    def __init__(self, every: int, epochs: int, start_epoch: int = 0, share: float = 0.1):
+        self.every, self.epochs, self.share = every, epochs, share
+        self.next = start_epoch + 1  # auto: measure at once, also after a resume
+
+    def due(self, epoch: int) -> bool:
+        if epoch == self.epochs:
+            return True
+        return epoch % self.every == 0 if self.every else epoch >= self.next
+
+    def measured(self, epoch: int, val_s: float, train_s: float) -> int:
+        """Record one validation's cost; returns the epochs until the next one."""
+        gap = self.every or max(1, math.ceil(val_s / (self.share * max(train_s, 1e-9))))
+        self.next = epoch + gap
+        return gap

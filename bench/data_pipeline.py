@@ -1,4 +1,4 @@
-"""Data pipeline rate: training patches/s with augmentation off and on, side by side.
+"""Data pipeline rate: training patches/s with augmentation off, basic and full, side by side.
 
     python bench/data_pipeline.py                            # generated volumes, config defaults
     python bench/data_pipeline.py --config configs/demo.yaml --repeats 5
@@ -10,12 +10,13 @@ Every trainer flag is accepted; the ones that matter here are ``--data-root``, `
 file) a small set is generated in a temporary folder with ``datasets/make_synthetic.py``
 (``--gen-volumes`` volumes of ``--gen-shape``) and deleted at the end.
 
-What runs is the trainer's pipeline: ``load_split`` + ``PatchDataset`` (augmentation off / on) +
+What runs is the trainer's pipeline: ``load_split`` + ``PatchDataset`` (augmentation off, then
+``--augment-level basic`` and ``full``, see ``app/augment.py``) +
 ``DistributedSampler`` (one replica) + ``DataLoader`` with ``--num-workers`` and ``--batch-size``.
 One timed run is one epoch, ``set_epoch`` included, and includes starting the worker processes,
-since the trainer's workers are not persistent either. Off and on alternate (epoch 1 off, epoch 1
-on, epoch 2 off, ...), so both see the same patches and the same machine load; the table gives
-medians over ``--repeats`` epochs and the ratio on / off. ``ms/patch`` is ``__getitem__`` in
+since the trainer's workers are not persistent either. The modes alternate (epoch 1 off, basic,
+full, epoch 2 off, ...), so all see the same patches and the same machine load; the table gives
+medians over ``--repeats`` epochs and the ratio to off. ``ms/patch`` is ``__getitem__`` in
 this process alone (no DataLoader): the CPU cost of one patch, for one worker.
 """
 
@@ -127,14 +128,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         loaders = {}
-        for mode, augment in (("off", False), ("on", True)):
+        for mode in ("off", "basic", "full"):
             dataset = PatchDataset(
                 volumes,
                 cfg.patch_size,
                 cfg.samples_per_volume,
                 cfg.foreground_fraction,
-                augment,
+                mode != "off",
                 cfg.seed,
+                "basic" if mode == "off" else mode,
             )
             sampler = DistributedSampler(
                 dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed
@@ -155,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{'on' if torch.cuda.is_available() else 'off'}; {args.repeats} epochs per mode, "
             "interleaved, worker start-up included"
         )
-        seconds: dict[str, list[float]] = {"off": [], "on": []}
+        seconds: dict[str, list[float]] = {mode: [] for mode in loaders}
         for epoch in range(1, args.repeats + 1):
             for mode, loader in loaders.items():
                 elapsed, patches = time_epoch(loader, epoch)

@@ -88,6 +88,7 @@ train_step = load_by_path("bench_train_step", ROOT / "bench" / "train_step.py")
 from app import autotune  # noqa: E402
 from app.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from app.config import Config  # noqa: E402
+from app.data import Normalization  # noqa: E402
 from app.distributed import DistEnv, distributed_session, prepare, unwrap  # noqa: E402
 from app.hardware import detect  # noqa: E402
 from app.losses import BCEDiceLoss  # noqa: E402
@@ -381,7 +382,20 @@ def check_scaler_checkpoint(ctx: Context) -> None:
         )
         return
     path = ctx.tmp / "scaler" / "last.pt"
-    save_checkpoint(path, checkpoint_state(model, optimizer, scheduler, precision, 1, 0.0, {}, cfg))
+    save_checkpoint(
+        path,
+        checkpoint_state(
+            model,
+            optimizer,
+            scheduler,
+            precision,
+            1,
+            0.0,
+            {},
+            cfg,
+            Normalization(cfg.normalization),
+        ),
+    )
     state = load_checkpoint(path)  # torch.load(weights_only=True)
     model2, optimizer2, precision2 = train_step.build_level(cfg, env)
     fresh = precision2.scaler.state_dict()
@@ -691,7 +705,9 @@ def _apex_setup(level: str, device: torch.device, sizes: Sizes):
 def apex_train_and_save(level: str, path: Path, device: torch.device, sizes: Sizes) -> dict:
     cfg, env, precision, model, optimizer, scheduler, batch = _apex_setup(level, device, sizes)
     loss = steps_of(model, optimizer, precision, batch, 3, env)
-    state = checkpoint_state(model, optimizer, scheduler, precision, 1, 0.0, {}, cfg)
+    state = checkpoint_state(
+        model, optimizer, scheduler, precision, 1, 0.0, {}, cfg, Normalization(cfg.normalization)
+    )
     save_checkpoint(path, state)
     return {
         "loss": loss,

@@ -54,9 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from app.data import SPLITS, binarize_label, load_split, pair_files  # noqa: E402
-from app.floor import Floors, classical_floors, floors_from_volumes  # noqa: E402
-from app.volume_io import VolumeMeta, is_volume_file, read_volume, write_volume  # noqa: E402
+from app.data import SPLITS, load_train_val  # noqa: E402
+from app.floor import Floors, floors_from_volumes  # noqa: E402
+from app.volume_io import VolumeMeta, is_volume_file, write_volume  # noqa: E402
 
 NAME_PREFIX = "mni152_z"
 GM_THRESHOLD = 0.5
@@ -146,24 +146,14 @@ def write_task(out: Path, slabs: int, stride: int, overwrite: bool) -> dict:
 # --------------------------------------------------------------------------------------------
 # floor
 # --------------------------------------------------------------------------------------------
-def raw_split(root: Path, split: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    images, labels = [], []
-    for _, image_path, label_path in pair_files(root / SPLITS[split]):
-        images.append(read_volume(image_path)[0].astype(np.float32))
-        labels.append(binarize_label(read_volume(label_path)[0], label_path))
-    return images, labels
-
-
 def data_floors(root: Path, normalization: str) -> Floors:
     """The floor of the task as the trainer sees it (``raw``: the files' own intensities)."""
-    if normalization == "raw":
-        return classical_floors(*raw_split(root, "train"), *raw_split(root, "val"))
-    return floors_from_volumes(
-        load_split(root, "train", normalization), load_split(root, "val", normalization)
-    )
+    return floors_from_volumes(*load_train_val(root, normalization)[:2])
 
 
-def print_floors(root: Path, modes: Sequence[str] = ("zscore", "percentile", "raw")) -> dict:
+def print_floors(
+    root: Path, modes: Sequence[str] = ("zscore", "percentile", "dataset", "raw")
+) -> dict:
     print("classical floor: rule picked on train (global Dice), scored on val (global Dice)")
     found = {}
     for mode in modes:

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.config import Config
+from app.data import Normalization
 from app.inference import predict_logits
 from app.model import UNet3d
 from app.precision import build_precision
@@ -113,18 +114,17 @@ def main() -> None:
 
         predictor = load_predictor(args.checkpoint, device)
         model, precision = predictor.model, predictor.precision
-        normalization = predictor.cfg.normalization
+        normalize = predictor.normalization
         args.f_maps, args.depth = predictor.cfg.f_maps, predictor.cfg.depth
         args.opt_level = predictor.cfg.opt_level
     else:
         model = UNet3d(1, 1, args.f_maps, args.depth).to(device).eval()
         precision = build_precision(Config(opt_level=args.opt_level), device)
-        normalization = "zscore"
+        normalize = Normalization("zscore")
     if args.input:
-        from app.data import normalize
         from app.volume_io import read_volume
 
-        image = normalize(read_volume(args.input)[0], normalization)
+        image = normalize(read_volume(args.input)[0])
         volume = torch.as_tensor(image, device=device)
         args.shape = list(image.shape)
     else:

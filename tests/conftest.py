@@ -90,6 +90,8 @@ TINY = [
     "cpu",
     "--log-every",
     "1",
+    "--val-every",  # every epoch: the tests read each epoch's metrics (auto is tested alone)
+    "1",
     # the precision the tests were written for, on every machine (auto is tested on its own)
     "--opt-level",
     "O1",

@@ -1,0 +1,98 @@
+"""Training-patch augmentation, applied identically to a patch and its label.
+
+Two levels (``--augment-level``):
+
+- ``basic``: random flips on the three axes, brightness/contrast, Gaussian noise and blur.
+- ``full``: ``basic`` after MONAI's dictionary transforms (``monai.transforms``): a random
+  rotation (up to 15 degrees about each axis) and scaling (up to 15%) in one resampling, an
+  elastic deformation, and a gamma change of the image. The image is resampled bilinearly and the
+  label with nearest neighbour on the same grid, so they stay aligned; both are padded by
+  reflection, so a rotated patch has no empty corners.
+
+All randomness comes from the ``numpy.random.Generator`` passed in (the dataset derives it from
+seed, epoch and index), so a run is reproducible whatever the number of workers or processes.
+
+The flips use albumentations (``HorizontalFlip``/``VerticalFlip`` on ``volume`` + ``mask3d``).
+The depth flip and the basic intensity changes are written here: albumentations 2.0.8 has no
+depth flip, its brightness/contrast and noise transforms raise ``KeyError: 'images'`` on the
+``volume`` target, and its blur clips float volumes to [0, 1], which destroys z-scored data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import albumentations as A
+import numpy as np
+from scipy import ndimage
+
+LEVELS = ("basic", "full")
+MAX_ROTATION = math.radians(15.0)
+MAX_SCALING = 0.15
+
+
+def spatial_transforms(
+    affine_p: float = 0.3, elastic_p: float = 0.1, gamma_p: float = 0.3
+):  # -> monai.transforms.Compose (imported lazily: MONAI takes a second to import)
+    """MONAI's rotation + scaling, elastic deformation and gamma, on keys ``image`` and
+    ``label`` of channel-first arrays."""
+    from monai.transforms import Compose, Rand3DElasticd, RandAdjustContrastd, RandAffined
+
+    keys, modes = ("image", "label"), ("bilinear", "nearest")
+    return Compose(
+        [
+            RandAffined(
+                keys,
+                prob=affine_p,
+                rotate_range=(MAX_ROTATION,) * 3,
+                scale_range=(MAX_SCALING,) * 3,
+                mode=modes,
+                padding_mode="reflection",
+            ),
+            # Offsets drawn per voxel in [magnitude], smoothed by a Gaussian of sigma voxels:
+            # displacements of about 1-2 voxels that vary over about 10 voxels.
+            Rand3DElasticd(
+                keys,
+                sigma_range=(5.0, 7.0),
+                magnitude_range=(50.0, 100.0),
+                prob=elastic_p,
+                mode=modes,
+                padding_mode="reflection",
+            ),
+            # retain_stats: the patch keeps its mean and std, so z-scored data stays z-scored
+            RandAdjustContrastd("image", prob=gamma_p, gamma=(0.7, 1.5), retain_stats=True),
+        ]
+    )
+
+
+class Augment:
+    """``level`` augmentation of a ``(D, H, W)`` float32 patch and its uint8 label."""
+
+    def __init__(self, level: str = "basic") -> None:
+        if level not in LEVELS:
+            raise ValueError(f"unknown augmentation level {level!r}; choose {', '.join(LEVELS)}")
+        self.level = level
+        self.flips = A.Compose([A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5)])
+        self.spatial = spatial_transforms() if level == "full" else None
+
+    def __call__(self, image: np.ndarray, label: np.ndarray, rng: np.random.Generator):
+        if self.spatial is not None:
+            image, label = self.deform(image, label, int(rng.integers(2**31)))
+        self.flips.set_random_seed(int(rng.integers(2**31)))
+        out = self.flips(volume=image, mask3d=label)
+        image, label = out["volume"], out["mask3d"]
+        if rng.random() < 0.5:
+            image, label = image[::-1], label[::-1]
+        if rng.random() < 0.3:  # brightness and contrast
+            image = image * rng.uniform(0.85, 1.15) + rng.uniform(-0.15, 0.15)
+        if rng.random() < 0.15:
+            image = image + rng.normal(0.0, rng.uniform(0.0, 0.1), image.shape)
+        if rng.random() < 0.15:
+            image = ndimage.gaussian_filter(image, sigma=rng.uniform(0.5, 1.0))
+        return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label)
+
+    def deform(self, image: np.ndarray, label: np.ndarray, seed: int):
+        self.spatial.set_random_state(seed=seed)
+        out = self.spatial({"image": image[None], "label": label[None].astype(np.float32)})
+        deformed = np.asarray(out["image"])[0]
+        return deformed.astype(np.float32), (np.asarray(out["label"])[0] > 0.5).astype(np.uint8)

@@ -1,0 +1,337 @@
+"""A training plan from a fingerprint of the data and of the device.
+
+    python -m app.plan --data-root DIR [--budget-s 900] [--nproc 2] [--out plan.yaml]
+    python -m app.train --plan auto --data-root DIR [--plan-budget-s 900] ...
+
+The data fingerprint (:class:`DataFingerprint`) holds the volume shapes, voxel spacing,
+intensity statistics, foreground fraction and, for each intensity normalisation, the Dice of the
+best intensity band on the training set: a normalisation that spreads one tissue over different
+intensities in different volumes shows up there at once. The device fingerprint
+(:class:`DeviceFingerprint`) holds the device type, its memory, the processes per node and a
+measured training step at a reference patch.
+
+:func:`make_plan` is a pure function of the two and the time budget, so that its choices can be
+tested on fingerprints written by hand. Each choice carries a one-line reason. The plan is a YAML
+file for ``--config`` (reasons as comments); ``--plan auto`` applies it inside the trainer to the
+settings the user did not give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.config import Config, ConfigError, validate
+from app.data import DataError, Normalization, load_split, pair_files
+from app.floor import best_band
+from app.volume_io import VolumeError, read_volume
+
+log = logging.getLogger("app.plan")
+
+REFERENCE_PATCH = (16, 64, 64)  # the patch the device's step is measured at
+# A CPU step of about this long keeps several hundred steps in a 5-minute budget.
+CPU_STEP_TARGET_S = 0.2
+CPU_BATCH, CUDA_BATCH = 2, 8
+CPU_F_MAPS, CUDA_F_MAPS = 8, 32
+CUDA_PATCH_VOXELS = 32 * 160 * 160  # the original recipe's patch, per 80 GB-class GPU at batch 8
+SMALL_BATCH = 4  # below this many patches per process, BatchNorm statistics are noisy
+EPOCH_TARGET_S = {"cpu": 10.0, "cuda": 60.0}  # an epoch long enough to amortise its overheads
+VAL_SHARE = 0.1  # validation may take this share of the training time
+MILESTONE_FRACTIONS = (0.6, 0.85)
+NORMALISATION_MARGIN = 0.01  # band Dice a normalisation must gain over the per-volume z-score
+MAX_DEPTH = 4
+
+
+@dataclass
+class DataFingerprint:
+    train_shapes: list[tuple[int, int, int]]
+    val_shapes: list[tuple[int, int, int]]
+    spacing: tuple[float, float, float] | None  # median voxel size (mm) when the files say it
+    intensity: dict[str, float]  # raw training intensities: p0.5, p50, p99.5, mean, std
+    foreground_fraction: float
+    band_dice: dict[str, float]  # normalisation -> train Dice of its best band
+
+    @property
+    def median_shape(self) -> tuple[int, int, int]:
+        return tuple(int(v) for v in np.median(np.array(self.train_shapes), axis=0))
+
+    @property
+    def val_voxels(self) -> int:
+        return int(sum(math.prod(s) for s in self.val_shapes))
+
+
+@dataclass
+class DeviceFingerprint:
+    device_type: str  # "cpu" or "cuda"
+    memory_gb: float
+    processes: int  # training processes per node (they share its CPU cores)
+    step_s: float  # one training step at REFERENCE_PATCH, CPU_BATCH or CUDA_BATCH, f_maps base
+    name: str = ""
+
+
+@dataclass
+class Plan:
+    values: dict[str, Any] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def choose(self, name: str, value: Any, reason: str) -> Any:
+        self.values[name], self.reasons[name] = value, reason
+        return value
+
+    def to_yaml(self, header: str = "") -> str:
+        import yaml
+
+        lines = [f"# {line}" for line in header.splitlines()]
+        for name, value in self.values.items():
+            lines.append(f"# {self.reasons[name]}")
+            lines.append(yaml.safe_dump({name: value}, default_flow_style=True).strip()[1:-1])
+        return "\n".join(lines) + "\n"
+
+    def describe(self) -> str:
+        return "\n".join(f"  {k}: {v}  ({self.reasons[k]})" for k, v in self.values.items())
+
+
+# ----------------------------------------------------------------------------- the rules
+def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float) -> Plan:
+    plan = Plan()
+    cpu = device.device_type == "cpu"
+
+    zscore = data.band_dice.get("zscore", 0.0)
+    best = max(data.band_dice, key=data.band_dice.get, default="zscore")
+    if data.band_dice.get(best, 0.0) < zscore + NORMALISATION_MARGIN:
+        best = "zscore"
+    scores = ", ".join(f"{k} {v:.3f}" for k, v in data.band_dice.items())
+    plan.choose("normalization", best, f"train Dice of the best intensity band: {scores}")
+
+    batch = CPU_BATCH if cpu else CUDA_BATCH
+    plan.choose(
+        "batch_size",
+        batch,
+        f"{batch} patches per process on {device.device_type.upper()}"
+        + (": more only lengthens each step on a few cores" if cpu else ", the original recipe"),
+    )
+    norm = "instance" if batch < SMALL_BATCH else "batch"
+    plan.choose(
+        "norm",
+        norm,
+        f"batch {batch} < {SMALL_BATCH}: BatchNorm statistics of so few patches are noisy"
+        if norm == "instance"
+        else f"batch {batch}: BatchNorm, which SyncBatchNorm converts under DDP",
+    )
+    f_maps = CPU_F_MAPS if cpu else CUDA_F_MAPS
+    plan.choose("f_maps", f_maps, f"{'CPU' if cpu else 'GPU'} width (step time grows ~f_maps^2)")
+
+    ref_voxels = math.prod(REFERENCE_PATCH)
+    if cpu:
+        voxels = ref_voxels * CPU_STEP_TARGET_S / device.step_s
+        why = (
+            f"a {device.step_s:.2f} s step at {'x'.join(map(str, REFERENCE_PATCH))} measured "
+            f"here: about {voxels:,.0f} voxels per patch for a {CPU_STEP_TARGET_S} s step"
+        )
+    else:
+        voxels = CUDA_PATCH_VOXELS * min(1.0, device.memory_gb / 80.0)
+        why = f"{device.memory_gb:.0f} GB of GPU memory: up to {voxels:,.0f} voxels per patch"
+    patch = fit_patch(data.median_shape, voxels)
+    plan.choose(
+        "patch_size",
+        list(patch),
+        f"{why}, shaped like the median volume {'x'.join(map(str, data.median_shape))}",
+    )
+    depth = min(MAX_DEPTH, 1 + int(math.log2(min(patch) // 2)))
+    plan.choose("depth", depth, f"{depth - 1} poolings leave at least 2 voxels of {min(patch)}")
+
+    # The step scales with voxels and with f_maps^2 (reference: CPU_F_MAPS / CUDA_F_MAPS).
+    step_s = device.step_s * math.prod(patch) / ref_voxels
+    samples = batch * device.processes
+    n_train = len(data.train_shapes)
+    target = EPOCH_TARGET_S[device.device_type]
+    per_volume = max(1, round(target / step_s * samples / n_train))
+    epoch_s = per_volume * n_train / samples * step_s
+    plan.choose(
+        "samples_per_volume",
+        per_volume,
+        f"{n_train} training volumes: an epoch of about {epoch_s:.1f} s at {step_s:.2f} s/step",
+    )
+    epochs = max(1, int(budget_s / epoch_s))
+    plan.choose("epochs", epochs, f"{budget_s:g} s of training at {epoch_s:.1f} s per epoch")
+    milestones = sorted({max(1, round(f * epochs)) for f in MILESTONE_FRACTIONS})
+    plan.choose(
+        "milestones",
+        milestones,
+        f"MultiStepLR at {', '.join(f'{f:.0%}' for f in MILESTONE_FRACTIONS)} of the epochs",
+    )
+    # Whole-volume inference: a forward pass only (~1/3 of a step per voxel), windows with 50%
+    # overlap in-plane (~4x the voxels).
+    val_s = data.val_voxels * 4 / (samples * math.prod(patch)) * step_s / 3
+    every = max(1, math.ceil(val_s / (VAL_SHARE * epoch_s)))
+    plan.choose(
+        "val_every",
+        every,
+        f"validation estimated at {val_s:.1f} s: at most {VAL_SHARE:.0%} of training time "
+        "(the last epoch is always validated)",
+    )
+    return plan
+
+
+def fit_patch(median: tuple[int, int, int], voxels: float) -> tuple[int, int, int]:
+    """The median shape scaled down (larger axes first) to about ``voxels``, each axis a multiple
+    of 8 and at least 16 (three poolings), never larger than the median shape rounded up to 8."""
+    limit = [max(16, 8 * math.ceil(s / 8)) for s in median]
+    patch = [float(v) for v in limit]
+    while math.prod(patch) > voxels:
+        axis = max(range(3), key=lambda a: patch[a])
+        if patch[axis] <= 16:
+            break
+        patch[axis] = max(16.0, patch[axis] * 0.9)
+    return tuple(max(16, 8 * int(p // 8)) for p in patch)
+
+
+# ----------------------------------------------------------------------------- fingerprints
+def data_fingerprint(root: Path | str) -> DataFingerprint:
+    """Read the training split (raw) and the shapes of the validation split."""
+    root = Path(root)
+    train = load_split(root, "train", "raw")
+    images = [vol.image for vol in train]
+    labels = [vol.label for vol in train]
+    spacings = [s for s in (voxel_spacing(vol.image_path) for vol in train) if s is not None]
+    val_shapes = []
+    for _, image_path, _ in pair_files(root / "val_patches"):
+        val_shapes.append(tuple(read_volume(image_path)[0].shape))
+    sample = np.concatenate([im.ravel()[:: max(1, im.size // 1_000_000)] for im in images])
+    low, mid, high = np.percentile(sample, (0.5, 50, 99.5))
+    band_dice = {}
+    for mode in ("zscore", "percentile", "dataset"):
+        normalize = Normalization.fit(mode, images)
+        band_dice[mode] = best_band([normalize(im) for im in images], labels).train_dice
+    return DataFingerprint(
+        train_shapes=[tuple(im.shape) for im in images],
+        val_shapes=val_shapes,
+        spacing=tuple(float(v) for v in np.median(spacings, axis=0)) if spacings else None,
+        intensity={
+            "p0.5": float(low),
+            "p50": float(mid),
+            "p99.5": float(high),
+            "mean": float(sample.mean()),
+            "std": float(sample.std()),
+        },
+        foreground_fraction=float(sum(lb.sum() for lb in labels) / sum(lb.size for lb in labels)),
+        band_dice=band_dice,
+    )
+
+
+def voxel_spacing(path: Path) -> tuple[float, float, float] | None:
+    meta = read_volume(path)[1] if str(path).endswith((".nii", ".nii.gz")) else None
+    if meta is None or meta.affine is None:
+        return None
+    return tuple(float(v) for v in np.linalg.norm(meta.affine[:3, :3], axis=0))
+
+
+def device_fingerprint(device: torch.device, processes: int) -> DeviceFingerprint:
+    """The device, its memory and one measured training step at :data:`REFERENCE_PATCH`."""
+    from app.distributed import DistEnv
+    from app.hardware import detect
+    from app.steps import SyntheticStepper
+
+    cpu = device.type == "cpu"
+    if cpu:
+        import os
+
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    else:
+        memory_gb = torch.cuda.get_device_properties(device).total_memory / 2**30
+    cfg = Config(
+        patch_size=REFERENCE_PATCH,
+        batch_size=CPU_BATCH if cpu else CUDA_BATCH,
+        f_maps=CPU_F_MAPS if cpu else CUDA_F_MAPS,
+        depth=MAX_DEPTH,
+        norm="instance" if cpu else "batch",
+        opt_level="O0",
+        memory_format="channels_last" if cpu else "contiguous",
+    )
+    threads = torch.get_num_threads()
+    if cpu and processes > 1:  # measure as each of the processes will run: its share of cores
+        torch.set_num_threads(max(1, threads // processes))
+    try:
+        with torch.random.fork_rng(devices=[] if cpu else [device]):
+            stepper = SyntheticStepper(cfg, DistEnv(0, 0, 1, device))
+            stepper.run(2)  # warm-up
+            started = time.perf_counter()
+            stepper.run(3)
+            step_s = (time.perf_counter() - started) / 3
+    finally:
+        torch.set_num_threads(threads)
+    return DeviceFingerprint(device.type, memory_gb, processes, step_s, detect(device).describe())
+
+
+# ----------------------------------------------------------------------------- the trainer
+def apply_plan(cfg: Config, given: set[str], plan: Plan) -> Config:
+    """``cfg`` with the plan's values for every setting not in ``given``."""
+    import dataclasses
+
+    values = {k: v for k, v in plan.values.items() if k not in given}
+    if "patch_size" in values:
+        values["patch_size"] = tuple(values["patch_size"])
+    planned = dataclasses.replace(cfg, **values)
+    validate(planned)
+    return planned
+
+
+def plan_for(cfg: Config, device: torch.device, processes: int) -> Plan:
+    data = data_fingerprint(cfg.data_root)
+    return make_plan(data, device_fingerprint(device, processes), cfg.plan_budget_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from app.atomic import atomic_write_bytes
+    from app.distributed import resolve_device
+    from app.hardware import machine_line
+
+    parser = argparse.ArgumentParser(prog="python -m app.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--data-root", required=True, type=Path)
+    parser.add_argument("--budget-s", type=float, default=900.0, help="training seconds to fill")
+    parser.add_argument("--nproc", type=int, default=1, help="training processes per node")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--out", type=Path, help="write the plan here (default: print it)")
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0 or args.nproc < 1:
+        print("error: --budget-s must be positive and --nproc at least 1", file=sys.stderr)
+        return 2
+    try:
+        device = resolve_device(args.device, 0)
+        data = data_fingerprint(args.data_root)
+        hardware = device_fingerprint(device, args.nproc)
+    except (ConfigError, DataError, VolumeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    plan = make_plan(data, hardware, args.budget_s)
+    header = (
+        f"plan for {args.data_root}, {args.budget_s:g} s of training, {args.nproc} process(es)\n"
+        f"{machine_line(device)}\n"
+        f"data: {len(data.train_shapes)} train volumes, median {data.median_shape}, "
+        f"foreground {data.foreground_fraction:.1%}, spacing {data.spacing}\n"
+        f"device: {hardware.step_s:.3f} s/step at {'x'.join(map(str, REFERENCE_PATCH))}\n"
+        f"use: python -m app.train --config THIS_FILE --data-root {args.data_root}"
+    )
+    text = plan.to_yaml(header)
+    if args.out:
+        atomic_write_bytes(args.out, text.encode())
+        print(f"wrote {args.out}")
+    print(text, end="")
+    return 0
+
+
+def fingerprint_dict(data: DataFingerprint) -> dict[str, Any]:
+    return asdict(data)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

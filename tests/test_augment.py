@@ -1,0 +1,61 @@
+"""Augmentation: the label follows the image through every spatial transform."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.augment import Augment
+from app.data import PatchDataset, load_split
+
+SHAPE = (16, 32, 32)
+
+
+def ellipsoid() -> tuple[np.ndarray, np.ndarray]:
+    z, y, x = np.mgrid[: SHAPE[0], : SHAPE[1], : SHAPE[2]]
+    label = ((z - 7) ** 2 / 30 + (y - 15) ** 2 / 80 + (x - 13) ** 2 / 50 < 1).astype(np.uint8)
+    return label.astype(np.float32), label
+
+
+def test_full_level_keeps_the_label_on_the_image():
+    # the image is its label: wherever the transforms move a voxel of one, the other follows,
+    # up to the interpolation of the boundary
+    image, label = ellipsoid()
+    augment = Augment("full")
+    moved = 0
+    for seed in range(12):
+        out_image, out_label = augment.deform(image, label, seed)
+        assert out_image.shape == out_label.shape == SHAPE
+        assert out_image.dtype == np.float32 and out_label.dtype == np.uint8
+        assert set(np.unique(out_label)) <= {0, 1}
+        boundary = ((out_image > 0.05) & (out_image < 0.95)).sum()
+        disagree = ((out_image > 0.5) != out_label.astype(bool)).sum()
+        assert disagree <= max(4, 0.25 * boundary)
+        moved += not np.array_equal(out_label, label)
+    assert moved >= 3  # rotation/scaling (p=0.3) and elastic (p=0.1) did happen
+
+
+def test_whole_call_is_aligned_and_reproducible():
+    image, label = ellipsoid()
+    augment = Augment("full")
+    first = augment(image, label, np.random.default_rng(7))
+    again = augment(image, label, np.random.default_rng(7))
+    np.testing.assert_array_equal(first[0], again[0])
+    np.testing.assert_array_equal(first[1], again[1])
+    for seed in range(8):  # flips follow; intensity changes leave the foreground brighter
+        out_image, out_label = augment(image, label, np.random.default_rng(seed))
+        inside, outside = out_image[out_label == 1], out_image[out_label == 0]
+        assert inside.mean() > outside.mean() + 0.5
+
+
+def test_unknown_level_is_refused():
+    with pytest.raises(ValueError, match="augmentation level 'strong'"):
+        Augment("strong")
+
+
+def test_dataset_draws_full_patches(dataset):
+    volumes = load_split(dataset, "train", "zscore")
+    patches = PatchDataset(volumes, (16, 16, 16), 2, 0.5, True, 0, "full")
+    image, label = patches[0]
+    assert image.shape == label.shape == (1, 16, 16, 16)
+    assert set(label.unique().tolist()) <= {0.0, 1.0}
