@@ -45,6 +45,7 @@ CPU_F_MAPS, CUDA_F_MAPS = 8, 32
 CUDA_PATCH_VOXELS = 32 * 160 * 160  # the original recipe's patch, per 80 GB-class GPU at batch 8
 SMALL_BATCH = 4  # below this many patches per process, BatchNorm statistics are noisy
 EPOCH_TARGET_S = {"cpu": 10.0, "cuda": 60.0}  # an epoch long enough to amortise its overheads
+MIN_EPOCHS = 20  # epochs a budget is cut into at least, so that the milestones mean something
 VAL_SHARE = 0.1  # validation may take this share of the training time
 MILESTONE_FRACTIONS = (0.6, 0.85)
 NORMALISATION_MARGIN = 0.01  # band Dice a normalisation must gain over the per-volume z-score
@@ -153,7 +154,7 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
     step_s = device.step_s * math.prod(patch) / ref_voxels
     samples = batch * device.processes
     n_train = len(data.train_shapes)
-    target = EPOCH_TARGET_S[device.device_type]
+    target = min(EPOCH_TARGET_S[device.device_type], budget_s / MIN_EPOCHS)
     per_volume = max(1, round(target / step_s * samples / n_train))
     epoch_s = per_volume * n_train / samples * step_s
     plan.choose(

@@ -27,6 +27,7 @@ SCALARS = (
     "train_loss",
     "val_loss",
     "dice",
+    "floor_dice",  # the classical floor (app.floor) the model's Dice should beat
     "iou",
     "dice_per_volume_mean",
     "lr",

@@ -1,0 +1,122 @@
+"""The quality features of the trainer: dataset normalisation carried by the checkpoint, the norm
+layers, the classical floor beside the model's Dice, the validation cadence and --plan auto."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from app.data import Normalization, load_train_val
+from app.floor import floors_from_volumes
+from app.model import UNet3d
+from app.predict import load_predictor
+from app.train import main
+from app.validation import ValidationCadence
+
+
+def run(args):
+    return main([str(a) for a in args])
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dataset_normalisation_is_fitted_on_train_and_kept_in_the_checkpoint(dataset, tmp_path):
+    train, val, fitted = load_train_val(dataset, "dataset")
+    assert fitted.mode == "dataset" and fitted.std > 0
+    # one scale for all: the z-scored training voxels pooled have mean ~0, std ~1
+    pooled = np.concatenate([v.image.ravel() for v in train])
+    assert abs(pooled.mean()) < 0.05 and pooled.std() == pytest.approx(1.0, abs=0.05)
+    with pytest.raises(ValueError, match="fitted on the training set"):
+        Normalization("dataset")
+    with pytest.raises(ValueError, match="unknown normalisation"):
+        Normalization("minmax")
+
+    from conftest import train_tiny
+
+    run_dir = train_tiny(dataset, tmp_path / "run", "--normalization", "dataset", epochs=1)
+    state = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
+    assert Normalization.saved_in(state) == fitted
+    predictor = load_predictor(run_dir / "checkpoints/last.pt", torch.device("cpu"))
+    assert predictor.normalization == fitted
+    raw = np.full((4, 4, 4), fitted.mean * 0 + 1.0, np.float32)
+    np.testing.assert_allclose(predictor.preprocess(raw, "x.npy"), fitted(raw))
+
+
+@pytest.mark.parametrize("norm", ["batch", "instance", "group"])
+def test_norm_layers(norm):
+    model = UNet3d(1, 1, f_maps=8, depth=3, norm=norm)
+    kinds = {type(m).__name__ for m in model.modules()}
+    expected = {"batch": "BatchNorm3d", "instance": "InstanceNorm3d", "group": "GroupNorm"}[norm]
+    assert expected in kinds
+    out = model(torch.randn(2, 1, 8, 16, 16))
+    assert out.shape == (2, 1, 8, 16, 16)
+    with pytest.raises(ValueError, match="unknown norm"):
+        UNet3d(1, 1, 8, 3, norm="layer")
+
+
+def test_instance_norm_trains_and_resumes(dataset, tmp_path, tiny_args):
+    run_dir = tmp_path / "run"
+    argv = [*tiny_args, "--data-root", dataset, "--output-dir", run_dir, "--norm", "instance"]
+    assert run([*argv, "--epochs", 1]) == 0
+    assert run([*argv, "--epochs", 2, "--resume", "auto"]) == 0
+    assert [r["epoch"] for r in records(run_dir)] == [1, 2]
+
+
+def test_floor_is_logged_beside_the_dice(dataset, tmp_path, tiny_args):
+    run_dir = tmp_path / "run"
+    assert run([*tiny_args, "--data-root", dataset, "--output-dir", run_dir, "--epochs", 2]) == 0
+    train, val, _ = load_train_val(dataset, "zscore")
+    expected = floors_from_volumes(train, val).band.val_dice
+    rows = records(run_dir)
+    assert all(r["floor_dice"] == pytest.approx(expected) for r in rows)
+
+
+def test_cadence_fixed_and_auto():
+    fixed = ValidationCadence(every=3, epochs=10)
+    assert [e for e in range(1, 11) if fixed.due(e)] == [3, 6, 9, 10]
+    auto = ValidationCadence(every=0, epochs=20, share=0.1)
+    assert auto.due(1)
+    assert auto.measured(1, val_s=2.0, train_s=5.0) == 4  # 2 s is 10% of 4 epochs of 5 s
+    assert [e for e in range(2, 21) if auto.due(e)][:1] == [5]
+    assert auto.measured(5, val_s=0.1, train_s=5.0) == 1  # cheap: every epoch
+    assert auto.due(6) and auto.due(20)
+    resumed = ValidationCadence(every=0, epochs=20, start_epoch=7)
+    assert resumed.due(8) and not resumed.due(7)
+
+
+def test_auto_cadence_validates_first_last_and_within_its_share(dataset, tmp_path, tiny_args):
+    run_dir = tmp_path / "run"
+    argv = [*tiny_args, "--data-root", dataset, "--output-dir", run_dir, "--epochs", 6]
+    assert run([*argv, "--val-every", 0, "--val-share", 0.01]) == 0  # 1%: validation is dearer
+    rows = records(run_dir)
+    validated = [r["epoch"] for r in rows if "dice" in r]
+    assert validated[0] == 1 and validated[-1] == 6 and len(validated) < 6
+    assert all(r["val_time_s"] == 0.0 for r in rows if "dice" not in r)
+    best = torch.load(run_dir / "checkpoints/best.pt", weights_only=True)
+    assert best["best_dice"] == max(r["dice"] for r in rows if "dice" in r)
+
+
+def test_plan_auto_in_the_trainer_keeps_given_settings(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = ["--data-root", dataset, "--output-dir", run_dir, "--device", "cpu"]
+    argv += ["--plan", "auto", "--plan-budget-s", "3", "--f-maps", "4", "--num-workers", "0"]
+    argv += ["--opt-level", "O0", "--memory-format", "contiguous"]
+    assert run([*argv, "--resume", "none"]) == 0
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["f_maps"] == 4  # given: kept
+    assert saved["norm"] == "instance" and saved["batch_size"] == 2  # planned for a CPU
+    assert set(saved["resolved"]["plan"]) >= {"patch_size", "epochs", "val_every"}
+    assert records(run_dir)[-1]["epoch"] == saved["epochs"] >= 1
+    state = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
+    assert state["plan"]["values"]["patch_size"] == saved["patch_size"]
+    # resumed for one more epoch: the run's own plan (a new measurement might differ)
+    more = saved["epochs"] + 1
+    assert run([*argv, "--epochs", more, "--resume", "auto"]) == 0
+    assert records(run_dir)[-1]["epoch"] == more
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["patch_size"] == saved["patch_size"]
