@@ -32,7 +32,9 @@ def norm_layer(norm: str, channels: int) -> nn.Module:
 class DoubleConv(nn.Sequential):
     """(Conv3d 3x3x3 -> norm -> ReLU) twice; ``stem``: no norm after the first convolution."""
 
-    def __init__(self, in_channels: int, out_channels: int, norm: str = "batch", stem=False):
+    def __init__(
+        self, in_channels: int, out_channels: int, norm: str = "batch", stem: bool = False
+    ):
         super().__init__(
             nn.Conv3d(in_channels, out_channels, 3, padding=1, bias=stem),
             nn.Identity() if stem else norm_layer(norm, out_channels),
@@ -79,10 +81,12 @@ class UNet3d(nn.Module):
         if depth < 2:
             raise ValueError(f"depth must be at least 2, got {depth}")
         widths = [f_maps * 2**i for i in range(depth)]
-        import os
-
-        stem = os.environ.get("IG_STEM") == "1"
-        self.encoders = nn.ModuleList([DoubleConv(n_channels, widths[0], norm, stem)])
+        # The stem's first convolution (with a bias) feeds its ReLU directly: a norm layer there
+        # would rescale the raw intensities by each patch's (instance, group) or batch's own
+        # statistics, and an intensity would no longer mean one tissue. Measured on MNI152
+        # slabs (bench/real_data.py, README "Quality on real data"): val Dice 0.876 against
+        # 0.836 after 110 s of training.
+        self.encoders = nn.ModuleList([DoubleConv(n_channels, widths[0], norm, stem=True)])
         self.encoders.extend(DoubleConv(a, b, norm) for a, b in itertools.pairwise(widths))
         self.decoders = nn.ModuleList(Up(a, b, norm) for a, b in zip(widths[::-1], widths[-2::-1]))
         self.pool = nn.MaxPool3d(2)

@@ -22,8 +22,7 @@ import argparse
 import logging
 import math
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,7 @@ class DeviceFingerprint:
     device_type: str  # "cpu" or "cuda"
     memory_gb: float
     processes: int  # training processes per node (they share its CPU cores)
-    step_s: float  # one training step at REFERENCE_PATCH, CPU_BATCH or CUDA_BATCH, f_maps base
+    step_s: float  # one training step at REFERENCE_PATCH, CPU_BATCH or CUDA_BATCH and base f_maps
     name: str = ""
 
 
@@ -184,16 +183,22 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
 
 
 def fit_patch(median: tuple[int, int, int], voxels: float) -> tuple[int, int, int]:
-    """The median shape scaled down (larger axes first) to about ``voxels``, each axis a multiple
-    of 8 and at least 16 (three poolings), never larger than the median shape rounded up to 8."""
+    """The median shape scaled by one factor on every axis to about ``voxels``; an axis that
+    would fall below 16 (three poolings) stays at 16 and the others share the rest. Each axis a
+    multiple of 8, never larger than the median shape rounded up to 8."""
     limit = [max(16, 8 * math.ceil(s / 8)) for s in median]
-    patch = [float(v) for v in limit]
-    while math.prod(patch) > voxels:
-        axis = max(range(3), key=lambda a: patch[a])
-        if patch[axis] <= 16:
+    size = [float(v) for v in limit]
+    free = [a for a in range(3) if limit[a] > 16]
+    while free:
+        fixed = math.prod(size[a] for a in range(3) if a not in free)
+        factor = min(1.0, (voxels / fixed / math.prod(limit[a] for a in free)) ** (1 / len(free)))
+        floored = [a for a in free if limit[a] * factor < 16]
+        for a in free:
+            size[a] = max(16.0, limit[a] * factor)
+        if not floored:
             break
-        patch[axis] = max(16.0, patch[axis] * 0.9)
-    return tuple(max(16, 8 * int(p // 8)) for p in patch)
+        free = [a for a in free if a not in floored]
+    return tuple(max(16, 8 * int(v // 8)) for v in size)
 
 
 # ----------------------------------------------------------------------------- fingerprints
@@ -237,40 +242,44 @@ def voxel_spacing(path: Path) -> tuple[float, float, float] | None:
 
 
 def device_fingerprint(device: torch.device, processes: int) -> DeviceFingerprint:
-    """The device, its memory and one measured training step at :data:`REFERENCE_PATCH`."""
+    """The device, its memory and the training step at :data:`REFERENCE_PATCH`, timed by the
+    precision and memory-format probe (``app.autotune``) in its fastest setting, as training
+    will run it. No collective: under ``--plan auto`` only rank 0 plans."""
+    import os
+
+    from app import autotune
     from app.distributed import DistEnv
     from app.hardware import detect
-    from app.steps import SyntheticStepper
 
     cpu = device.type == "cpu"
     if cpu:
-        import os
-
         memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     else:
         memory_gb = torch.cuda.get_device_properties(device).total_memory / 2**30
+    batch = CPU_BATCH if cpu else CUDA_BATCH
     cfg = Config(
         patch_size=REFERENCE_PATCH,
-        batch_size=CPU_BATCH if cpu else CUDA_BATCH,
+        batch_size=batch,
         f_maps=CPU_F_MAPS if cpu else CUDA_F_MAPS,
         depth=MAX_DEPTH,
-        norm="instance" if cpu else "batch",
-        opt_level="O0",
-        memory_format="channels_last" if cpu else "contiguous",
+        norm="instance" if batch < SMALL_BATCH else "batch",
+        device=device.type,
     )
+    caps = detect(device)
+    cands, _ = autotune.candidates(cfg, caps)
     threads = torch.get_num_threads()
     if cpu and processes > 1:  # measure as each of the processes will run: its share of cores
         torch.set_num_threads(max(1, threads // processes))
     try:
-        with torch.random.fork_rng(devices=[] if cpu else [device]):
-            stepper = SyntheticStepper(cfg, DistEnv(0, 0, 1, device))
-            stepper.run(2)  # warm-up
-            started = time.perf_counter()
-            stepper.run(3)
-            step_s = (time.perf_counter() - started) / 3
+        timings = autotune.probe(cfg, DistEnv(0, 0, 1, device), cands)
     finally:
         torch.set_num_threads(threads)
-    return DeviceFingerprint(device.type, memory_gb, processes, step_s, detect(device).describe())
+    picked = autotune.pick(cands, timings)
+    if picked is None:
+        raise DataError(f"could not time a training step on {caps.describe()}: {timings}")
+    step_s = timings[picked[0].label]["ms"] / 1000.0
+    name = f"{caps.describe()}, timed as {picked[0].label}"
+    return DeviceFingerprint(device.type, memory_gb, processes, step_s, name)
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -319,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{machine_line(device)}\n"
         f"data: {len(data.train_shapes)} train volumes, median {data.median_shape}, "
         f"foreground {data.foreground_fraction:.1%}, spacing {data.spacing}\n"
-        f"device: {hardware.step_s:.3f} s/step at {'x'.join(map(str, REFERENCE_PATCH))}\n"
+        f"device: {hardware.step_s:.3f} s/step at {'x'.join(map(str, REFERENCE_PATCH))} "
+        f"({hardware.name})\n"
         f"use: python -m app.train --config THIS_FILE --data-root {args.data_root}"
     )
     text = plan.to_yaml(header)
@@ -328,10 +338,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}")
     print(text, end="")
     return 0
-
-
-def fingerprint_dict(data: DataFingerprint) -> dict[str, Any]:
-    return asdict(data)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ the images as the trainer normalises them (per volume, ``zscore`` by default, an
 and on the raw intensities.
 
 ``train`` runs the trainer (``python -m app.train``, or ``launch.sh`` with ``--nproc N``) with
-the given trainer flags and a large ``--epochs`` unless one is given, reads its ``metrics.jsonl``
-as it grows, and stops the process group once the cumulative training time (``train_time_s``;
-``epoch_time_s``, which includes validation, where a record lacks it) reaches ``--budget-s``
-(checked at each epoch's record, so the last epoch may overrun it). It prints one row per epoch
+the given trainer flags and a large ``--epochs`` unless one (or ``--plan``) is given, reads its
+``metrics.jsonl`` as it grows, and stops the process group once the cumulative training time
+(``train_time_s``; ``epoch_time_s``, which includes validation, where a record lacks it) reaches
+``--budget-s`` (checked at each epoch's record, so the last epoch may overrun it). It prints one row per epoch
 (cumulative training seconds, epoch, val Dice, the floor) and when the model's Dice first beat
 the floor; ``--plot PATH`` draws Dice against training seconds. The floor is the val Dice of the
 better band rule: on the images as the trainer normalises them, or on the raw intensities (a
@@ -311,8 +311,8 @@ def train(args: argparse.Namespace, trainer_args: list[str]) -> int:
     run_dir = Path(args.output_dir or f"runs/real_data/{time.strftime('%Y%m%d-%H%M%S')}")
     user_args = " ".join(trainer_args) or "(trainer defaults)"
     trainer_args = [*trainer_args, "--data-root", str(args.data), "--output-dir", str(run_dir)]
-    if not has_flag(trainer_args, "--epochs"):
-        trainer_args += ["--epochs", str(DEFAULT_EPOCHS)]
+    if not has_flag(trainer_args, "--epochs") and not has_flag(trainer_args, "--plan"):
+        trainer_args += ["--epochs", str(DEFAULT_EPOCHS)]  # --plan auto fills its budget itself
     if not has_flag(trainer_args, "--resume"):
         trainer_args += ["--resume", "none"]  # a benchmark starts from scratch
     try:
