@@ -41,6 +41,7 @@ REFERENCE_PATCH = (16, 64, 64)  # the patch the device's step is measured at
 CPU_STEP_TARGET_S = 0.2
 CPU_BATCH, CUDA_BATCH = 2, 8
 CPU_F_MAPS, CUDA_F_MAPS = 8, 32
+CPU_LR = 3e-3
 CUDA_PATCH_VOXELS = 32 * 160 * 160  # the original recipe's patch, per 80 GB-class GPU at batch 8
 SMALL_BATCH = 4  # below this many patches per process, BatchNorm statistics are noisy
 EPOCH_TARGET_S = {"cpu": 10.0, "cuda": 60.0}  # an epoch long enough to amortise its overheads
@@ -49,6 +50,7 @@ VAL_SHARE = 0.1  # validation may take this share of the training time
 MILESTONE_FRACTIONS = (0.6, 0.85)
 NORMALISATION_MARGIN = 0.01  # band Dice a normalisation must gain over the per-volume z-score
 MAX_DEPTH = 4
+STEP_TOLERANCE = (0.8, 1.25)  # measured / planned step ratio that leaves the schedule as it is
 
 
 @dataclass
@@ -82,6 +84,24 @@ class DeviceFingerprint:
 class Plan:
     values: dict[str, Any] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
+    step_s: float = 0.0  # the step time the schedule assumes, at the planned patch
+
+    def fit_to_step(self, measured_s: float, given: frozenset[str]) -> float | None:
+        """Rescale ``samples_per_volume`` when the trainer's own probe measured a step far from
+        the one planned (it may pick another precision at the planned patch), so that the
+        epochs still fill the budget; returns the ratio applied, or ``None``."""
+        ratio = measured_s / self.step_s if self.step_s > 0 else 1.0
+        if "samples_per_volume" in given or STEP_TOLERANCE[0] <= ratio <= STEP_TOLERANCE[1]:
+            return None
+        per_volume = max(1, round(self.values["samples_per_volume"] / ratio))
+        self.choose(
+            "samples_per_volume",
+            per_volume,
+            f"{self.reasons['samples_per_volume']}; scaled by 1/{ratio:.2f}: the trainer's "
+            f"probe measured {measured_s:.2f} s/step",
+        )
+        self.step_s = measured_s
+        return ratio
 
     def choose(self, name: str, value: Any, reason: str) -> Any:
         self.values[name], self.reasons[name] = value, reason
@@ -127,6 +147,14 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
         if norm == "instance"
         else f"batch {batch}: BatchNorm, which SyncBatchNorm converts under DDP",
     )
+    lr = CPU_LR if cpu else Config().lr
+    plan.choose(
+        "lr",
+        lr,
+        "Adam at the rate configs/demo.yaml measured for small CPU batches"
+        if cpu
+        else "Adam at the original recipe's rate",
+    )
     f_maps = CPU_F_MAPS if cpu else CUDA_F_MAPS
     plan.choose("f_maps", f_maps, f"{'CPU' if cpu else 'GPU'} width (step time grows ~f_maps^2)")
 
@@ -161,6 +189,7 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
         per_volume,
         f"{n_train} training volumes: an epoch of about {epoch_s:.1f} s at {step_s:.2f} s/step",
     )
+    plan.step_s = step_s
     epochs = max(1, int(budget_s / epoch_s))
     plan.choose("epochs", epochs, f"{budget_s:g} s of training at {epoch_s:.1f} s per epoch")
     milestones = sorted({max(1, round(f * epochs)) for f in MILESTONE_FRACTIONS})

@@ -106,7 +106,9 @@ def train_one_epoch(
         totals[2] += skipped
         totals[3] += images.shape[0]
         tracker.show_loss(bar, step, totals)
-    loss_sum, steps, skipped, samples = reduce_tensor(totals).tolist()
+    if env.distributed:  # a world-size-1 env (the probes) runs alone, with no collective
+        reduce_tensor(totals)
+    loss_sum, steps, skipped, samples = totals.tolist()
     taken = steps - skipped
     mean_loss = loss_sum / taken if taken else math.nan
     return EpochTotals(mean_loss, int(steps), int(skipped), int(samples))

@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, Mu
 from torch.utils.data import DataLoader, DistributedSampler
 
 from app.atomic import atomic_write_bytes
-from app.autotune import decide
+from app.autotune import Decision, decide
 from app.checkpoint import (
     CheckpointError,
     checkpoint_dir,
@@ -174,7 +174,7 @@ def classical_floor(train_volumes: list, val_volumes: list) -> Floor:
     started = time.perf_counter()
     floors = floors_from_volumes(train_volumes, val_volumes)
     log.info(
-        "classical floor (%.1f s): %s; otsu %s",
+        "classical floor (%.1f s): %s; %s",
         time.perf_counter() - started,
         floors.band.describe(),
         floors.otsu.describe(),
@@ -216,6 +216,19 @@ def planned(
     return apply_plan(settings, given, plan), plan
 
 
+def fit_plan_to_step(
+    plan: Plan, settings: Config, given: frozenset[str], decision: Decision, env: DistEnv
+) -> Config:
+    """The plan's samples per volume rescaled to the step the precision probe measured (the
+    same figures on every rank: the decision is broadcast)."""
+    measured = decision.timings.get(decision.choice.label, {}).get("ms")
+    if measured is None or plan.fit_to_step(measured / 1000.0, given) is None:
+        return settings
+    if env.is_primary:
+        log.info("--plan auto: samples_per_volume %s", plan.reasons["samples_per_volume"])
+    return apply_plan(settings, given, plan)
+
+
 def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Train (or, with ``--eval-only``, evaluate) under ``settings``, whose ``auto`` fields are
     resolved here for this machine (``app.autotune``); ``given``: the settings the user set,
@@ -236,6 +249,8 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     decision = decide(settings, env, resumed)
     if env.is_primary:
         log.info("%s", decision.log_line())
+    if plan is not None and resumed is None:
+        settings = fit_plan_to_step(plan, settings, given, decision, env)
     cfg = decision.apply(settings)
     torch.manual_seed(cfg.seed)
     precision = build_precision(cfg, env.device)

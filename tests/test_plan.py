@@ -145,3 +145,13 @@ def test_plan_cli_writes_a_config(tmp_path, dataset, capsys):
 def test_plan_cli_names_a_missing_root(tmp_path, capsys):
     assert main(["--data-root", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_plan_follows_the_step_the_trainer_measured():
+    plan = make_plan(SLABS, CPU, budget_s=300)
+    planned, per_volume = plan.step_s, plan.values["samples_per_volume"]
+    assert plan.fit_to_step(planned * 1.1, frozenset()) is None  # close enough: unchanged
+    assert plan.fit_to_step(planned * 2, frozenset({"samples_per_volume"})) is None  # given
+    assert plan.fit_to_step(planned * 2, frozenset()) == pytest.approx(2.0)
+    assert plan.values["samples_per_volume"] == max(1, round(per_volume / 2))
+    assert "measured" in plan.reasons["samples_per_volume"]
