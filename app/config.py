@@ -71,7 +71,7 @@ class Config:
     # model
     f_maps: int = _opt(32, "feature maps of the first U-Net level (doubled at each level)", "model")
     depth: int = _opt(4, "U-Net levels, counting the bottleneck", "model")
-    norm: Literal["batch", "instance", "group"] = _opt(
+    norm: Literal["batch", "instance", "group", "none"] = _opt(
         "batch",
         "normalisation layer: batch (SyncBatchNorm under DDP on CUDA), or instance or group, "
         "which do not depend on the batch (small batches; see README)",

@@ -7,7 +7,7 @@ import itertools
 import torch
 from torch import nn
 
-NORMS = ("batch", "instance", "group")
+NORMS = ("batch", "instance", "group", "none")
 GROUP_CHANNELS = 8  # channels per GroupNorm group: our narrowest level has 8
 
 
@@ -26,6 +26,8 @@ def norm_layer(norm: str, channels: int) -> nn.Module:
         return nn.InstanceNorm3d(channels, affine=True)
     if norm == "group":
         return nn.GroupNorm(max(1, channels // GROUP_CHANNELS), channels)
+    if norm == "none":
+        return nn.Identity()
     raise ValueError(f"unknown norm {norm!r}; choose one of {', '.join(NORMS)}")
 
 
@@ -36,10 +38,10 @@ class DoubleConv(nn.Sequential):
         self, in_channels: int, out_channels: int, norm: str = "batch", stem: bool = False
     ):
         super().__init__(
-            nn.Conv3d(in_channels, out_channels, 3, padding=1, bias=stem),
+            nn.Conv3d(in_channels, out_channels, 3, padding=1, bias=stem or norm == "none"),
             nn.Identity() if stem else norm_layer(norm, out_channels),
             nn.ReLU(inplace=True),
-            nn.Conv3d(out_channels, out_channels, 3, padding=1, bias=False),
+            nn.Conv3d(out_channels, out_channels, 3, padding=1, bias=norm == "none"),
             norm_layer(norm, out_channels),
             nn.ReLU(inplace=True),
         )

@@ -27,7 +27,7 @@ def records(run_dir):
 
 
 def test_dataset_normalisation_is_fitted_on_train_and_kept_in_the_checkpoint(dataset, tmp_path):
-    train, val, fitted = load_train_val(dataset, "dataset")
+    train, _, fitted = load_train_val(dataset, "dataset")
     assert fitted.mode == "dataset" and fitted.std > 0
     # one scale for all: the z-scored training voxels pooled have mean ~0, std ~1
     pooled = np.concatenate([v.image.ravel() for v in train])
@@ -48,12 +48,20 @@ def test_dataset_normalisation_is_fitted_on_train_and_kept_in_the_checkpoint(dat
     np.testing.assert_allclose(predictor.preprocess(raw, "x.npy"), fitted(raw))
 
 
-@pytest.mark.parametrize("norm", ["batch", "instance", "group"])
+@pytest.mark.parametrize("norm", ["batch", "instance", "group", "none"])
 def test_norm_layers(norm):
     model = UNet3d(1, 1, f_maps=8, depth=3, norm=norm)
     kinds = {type(m).__name__ for m in model.modules()}
-    expected = {"batch": "BatchNorm3d", "instance": "InstanceNorm3d", "group": "GroupNorm"}[norm]
-    assert expected in kinds
+    norms = {"BatchNorm3d", "InstanceNorm3d", "GroupNorm"}
+    expected = {"batch": "BatchNorm3d", "instance": "InstanceNorm3d", "group": "GroupNorm"}
+    if norm == "none":
+        assert not kinds & norms
+        assert all(m.bias is not None for m in model.modules() if isinstance(m, torch.nn.Conv3d))
+    else:
+        assert kinds & norms == {expected[norm]}
+    # per-sample norms leave the stem's first convolution un-normalised; BatchNorm keeps it
+    first = model.encoders[0]
+    assert isinstance(first[1], torch.nn.Identity) == (norm != "batch")
     out = model(torch.randn(2, 1, 8, 16, 16))
     assert out.shape == (2, 1, 8, 16, 16)
     with pytest.raises(ValueError, match="unknown norm"):
@@ -110,7 +118,7 @@ def test_plan_auto_in_the_trainer_keeps_given_settings(dataset, tmp_path):
     assert run([*argv, "--resume", "none"]) == 0
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["f_maps"] == 4  # given: kept
-    assert saved["norm"] == "instance" and saved["batch_size"] == 2  # planned for a CPU
+    assert saved["norm"] == "none" and saved["batch_size"] == 2  # planned for a CPU
     assert set(saved["resolved"]["plan"]) >= {"patch_size", "epochs", "val_every"}
     assert records(run_dir)[-1]["epoch"] == saved["epochs"] >= 1
     state = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
@@ -119,4 +127,5 @@ def test_plan_auto_in_the_trainer_keeps_given_settings(dataset, tmp_path):
     more = saved["epochs"] + 1
     assert run([*argv, "--epochs", more, "--resume", "auto"]) == 0
     assert records(run_dir)[-1]["epoch"] == more
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["patch_size"] == saved["patch_size"]
+    resumed = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resumed["patch_size"] == saved["patch_size"]
