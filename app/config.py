@@ -73,8 +73,8 @@ class Config:
     depth: int = _opt(4, "U-Net levels, counting the bottleneck", "model")
     norm: Literal["batch", "instance", "group", "none"] = _opt(
         "batch",
-        "normalisation layer: batch (SyncBatchNorm under DDP on CUDA), or instance or group, "
-        "which do not depend on the batch (small batches; see README)",
+        "normalisation layer: batch (SyncBatchNorm under DDP on CUDA); instance or group, which "
+        "do not depend on the batch; or none (small batches; see README)",
         "model",
     )
     memory_format: Literal["auto", "channels_last", "contiguous"] = _opt(

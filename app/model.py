@@ -17,8 +17,10 @@ def norm_layer(norm: str, channels: int) -> nn.Module:
     ``batch`` (default) is what SyncBatchNorm converts under DDP; its statistics come from the
     batch, so with 2 patches per process they are noisy and the running averages used at
     validation lag the weights. ``instance`` and ``group`` normalise each sample on its own (the
-    same in training and inference, nothing for SyncBN to convert). InstanceNorm is affine here,
-    as in nnU-Net.
+    same in training and inference, nothing for SyncBN to convert; InstanceNorm is affine, as in
+    nnU-Net); but then every feature is rescaled by its own patch's content, so a boundary
+    between two tissues moves with the patch's tissue mix. ``none`` (convolutions with a bias)
+    has neither problem; with Adam it trains this U-Net's small CPU widths well (README).
     """
     if norm == "batch":
         return nn.BatchNorm3d(channels)

@@ -25,9 +25,9 @@ and on the raw intensities.
 the given trainer flags and a large ``--epochs`` unless one (or ``--plan``) is given, reads its
 ``metrics.jsonl`` as it grows, and stops the process group once the cumulative training time
 (``train_time_s``; ``epoch_time_s``, which includes validation, where a record lacks it) reaches
-``--budget-s`` (checked at each epoch's record, so the last epoch may overrun it). It prints one row per epoch
-(cumulative training seconds, epoch, val Dice, the floor) and when the model's Dice first beat
-the floor; ``--plot PATH`` draws Dice against training seconds. The floor is the val Dice of the
+``--budget-s`` (checked at each epoch's record, so the last epoch may overrun it). It prints one
+row per epoch (cumulative training seconds, epoch, val Dice, the floor) and when the model's Dice
+first beat the floor; ``--plot PATH`` draws Dice against training seconds. The floor is the val Dice of the
 better band rule: on the images as the trainer normalises them, or on the raw intensities (a
 classical rule is free to use those). The trainer's output goes to
 ``RUN_DIR/real_data_trainer.log``. Works on any data root, not only the MNI152 task.
@@ -305,6 +305,16 @@ def watch(
         time.sleep(poll_s)
 
 
+def run_normalization(run_dir: Path, default: str) -> str:
+    """The normalisation the trainer used, from its config.yaml (``--plan auto`` may set it)."""
+    import yaml
+
+    try:
+        return yaml.safe_load((run_dir / "config.yaml").read_text())["normalization"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return default
+
+
 def train(args: argparse.Namespace, trainer_args: list[str]) -> int:
     from app.config import ConfigError, load_config
 
@@ -332,7 +342,8 @@ def train(args: argparse.Namespace, trainer_args: list[str]) -> int:
 
     nproc = f"NPROC_PER_NODE={args.nproc} " if args.nproc > 1 else ""
     print(f"real_data train: {machine_header()}")
-    print(f"data {args.data} ({cfg.normalization}), run dir {run_dir}")
+    planned = " unless --plan auto changes it" if cfg.plan == "auto" else ""
+    print(f"data {args.data} ({cfg.normalization}{planned}), run dir {run_dir}")
     print(f"trainer: {nproc}{' '.join(command)}")
     print(
         f"budget {args.budget_s:g} s of training time (train_time_s; validation not counted), "
@@ -387,7 +398,7 @@ def train(args: argparse.Namespace, trainer_args: list[str]) -> int:
             "of training"
         )
     if args.plot:
-        title = f"{args.data} ({cfg.normalization}): {user_args}"
+        title = f"{args.data} ({run_normalization(run_dir, cfg.normalization)}): {user_args}"
         plot_curve(Path(args.plot), progress.rows, floors, floor_mode, args.budget_s, title)
         print(f"plot: {args.plot}")
     return 1 if failed else 0
