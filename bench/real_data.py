@@ -27,9 +27,9 @@ the given trainer flags and a large ``--epochs`` unless one (or ``--plan``) is g
 (``train_time_s``; ``epoch_time_s``, which includes validation, where a record lacks it) reaches
 ``--budget-s`` (checked at each epoch's record, so the last epoch may overrun it). It prints one
 row per epoch (cumulative training seconds, epoch, val Dice, the floor) and when the model's Dice
-first beat the floor; ``--plot PATH`` draws Dice against training seconds. The floor is the val Dice of the
-better band rule: on the images as the trainer normalises them, or on the raw intensities (a
-classical rule is free to use those). The trainer's output goes to
+first beat the floor; ``--plot PATH`` draws Dice against training seconds. The floor is the val
+Dice of the better band rule: on the images as the trainer normalises them, or on the raw
+intensities (a classical rule is free to use those). The trainer's output goes to
 ``RUN_DIR/real_data_trainer.log``. Works on any data root, not only the MNI152 task.
 """
 
