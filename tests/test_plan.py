@@ -62,6 +62,8 @@ def test_cpu_plan_for_slabs():
     assert v["epochs"] * epoch_s == pytest.approx(300, rel=0.1)
     assert v["milestones"] == [round(0.6 * v["epochs"]), round(0.85 * v["epochs"])]
     assert v["val_every"] >= 1
+    assert v["augment"] is False  # 5 minutes on a CPU: the model underfits as it is
+    assert make_plan(SLABS, CPU, budget_s=3600).values["augment"] is True
     assert set(plan.reasons) == set(v) and all(plan.reasons.values())
 
 
@@ -73,6 +75,7 @@ def test_gpu_plan_for_ct():
     assert math.prod(v["patch_size"]) <= 32 * 160 * 160 and v["depth"] == 4
     assert v["patch_size"][0] <= 80  # never deeper than the volumes (74, rounded up to 8)
     assert v["epochs"] >= 1 and v["milestones"][-1] <= v["epochs"]
+    assert v["augment"] is True
 
 
 def test_validation_cadence_follows_its_cost():
