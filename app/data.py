@@ -74,6 +74,12 @@ def normalize(image: np.ndarray, mode: str) -> np.ndarray:
     return Normalization(mode)(image)
 
 
+def intensity_sample(images: list[np.ndarray], per_volume: int = 1_000_000) -> np.ndarray:
+    """About ``per_volume`` evenly strided voxels of each image, pooled: enough for percentiles
+    and moments of large sets."""
+    return np.concatenate([im.ravel()[:: max(1, im.size // per_volume)] for im in images])
+
+
 @dataclass(frozen=True)
 class Normalization:
     """How intensities are scaled before the network sees them.
@@ -94,7 +100,6 @@ class Normalization:
     std: float | None = None
 
     PER_VOLUME = ("zscore", "percentile")
-    FIT_SAMPLES = 1_000_000  # voxels per training volume that the dataset statistics look at
 
     def __post_init__(self) -> None:
         if self.mode not in (*self.PER_VOLUME, "dataset", "raw"):
@@ -109,9 +114,7 @@ class Normalization:
             return cls(mode)
         if not images:
             raise DataError("dataset normalisation needs training volumes to fit its statistics")
-        sample = np.concatenate(
-            [im.ravel()[:: max(1, im.size // cls.FIT_SAMPLES)] for im in images]
-        ).astype(np.float64)
+        sample = intensity_sample(images).astype(np.float64)
         low, high = np.percentile(sample, (0.5, 99.5))
         clipped = np.clip(sample, low, high)
         return cls(mode, float(low), float(high), float(clipped.mean()), float(clipped.std()))

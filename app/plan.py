@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from app.config import Config, ConfigError, validate
-from app.data import DataError, Normalization, load_split, pair_files
+from app.data import DataError, Normalization, intensity_sample, load_split, pair_files
 from app.floor import best_band
 from app.volume_io import VolumeError, read_volume
 
@@ -264,7 +264,7 @@ def data_fingerprint(root: Path | str) -> DataFingerprint:
     val_shapes = []
     for _, image_path, _ in pair_files(root / "val_patches"):
         val_shapes.append(tuple(read_volume(image_path)[0].shape))
-    sample = np.concatenate([im.ravel()[:: max(1, im.size // 1_000_000)] for im in images])
+    sample = intensity_sample(images)
     low, mid, high = np.percentile(sample, (0.5, 50, 99.5))
     band_dice = {}
     for mode in ("zscore", "percentile", "dataset"):
