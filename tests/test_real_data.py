@@ -45,9 +45,9 @@ def test_write_gives_the_trainer_layout(tmp_path, capsys):
     # the affine keeps each slab's place: world z (superior) grows from train to val
     world_z = [read_volume(v.image_path)[1].affine[2, 3] for v in train + val]
     assert world_z == sorted(world_z) and len(set(world_z)) == 4
-    for mode in ("zscore", "percentile", "raw"):
+    for mode in ("zscore", "percentile", "dataset", "raw"):
         assert f"images {mode}" in printed
-    assert printed.count("band ") == 3 and "val Dice 0." in printed
+    assert printed.count("band ") == 4 and "val Dice 0." in printed
     # a second write refuses to mix, --overwrite replaces
     with pytest.raises(SystemExit, match="--overwrite"):
         real_data.main(["write", "--out", str(out), "--stride", "6"])
