@@ -30,9 +30,16 @@ import numpy as np
 import torch
 
 from app.config import Config, ConfigError, validate
-from app.data import DataError, Normalization, intensity_sample, load_split, pair_files
+from app.data import (
+    SPLITS,
+    DataError,
+    Normalization,
+    intensity_sample,
+    load_split,
+    pair_files,
+)
 from app.floor import best_band
-from app.volume_io import VolumeError, read_volume
+from app.volume_io import VolumeError, volume_header
 
 log = logging.getLogger("app.plan")
 
@@ -255,15 +262,14 @@ def fit_patch(median: tuple[int, int, int], voxels: float) -> tuple[int, int, in
 
 # ----------------------------------------------------------------------------- fingerprints
 def data_fingerprint(root: Path | str) -> DataFingerprint:
-    """Read the training split (raw) and the shapes of the validation split."""
+    """Read the training split (raw), and the validation split's shapes from the headers."""
     root = Path(root)
     train = load_split(root, "train", "raw")
     images = [vol.image for vol in train]
     labels = [vol.label for vol in train]
-    spacings = [s for s in (voxel_spacing(vol.image_path) for vol in train) if s is not None]
-    val_shapes = []
-    for _, image_path, _ in pair_files(root / "val_patches"):
-        val_shapes.append(tuple(read_volume(image_path)[0].shape))
+    headers = [volume_header(vol.image_path) for vol in train]
+    spacings = [spacing for _, spacing in headers if spacing is not None]
+    val_shapes = [volume_header(image)[0] for _, image, _ in pair_files(root / SPLITS["val"])]
     sample = intensity_sample(images)
     low, mid, high = np.percentile(sample, (0.5, 50, 99.5))
     band_dice = {}
@@ -284,13 +290,6 @@ def data_fingerprint(root: Path | str) -> DataFingerprint:
         foreground_fraction=float(sum(lb.sum() for lb in labels) / sum(lb.size for lb in labels)),
         band_dice=band_dice,
     )
-
-
-def voxel_spacing(path: Path) -> tuple[float, float, float] | None:
-    meta = read_volume(path)[1] if str(path).endswith((".nii", ".nii.gz")) else None
-    if meta is None or meta.affine is None:
-        return None
-    return tuple(float(v) for v in np.linalg.norm(meta.affine[:3, :3], axis=0))
 
 
 def device_fingerprint(device: torch.device, processes: int) -> DeviceFingerprint:

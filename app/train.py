@@ -363,7 +363,8 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             record.update(result.summary())
             if floor is not None:
                 record["floor_dice"] = floor.val_dice
-            cadence.measured(epoch, *broadcast_object((val_time, train_time)))
+            if cadence.auto:  # rank 0's times, so that every rank picks the same next epoch
+                cadence.measured(epoch, *broadcast_object((val_time, train_time)))
         voxels = totals.samples * math.prod(cfg.patch_size)
         record.update(
             train_time_s=train_time,

@@ -133,6 +133,10 @@ class ValidationCadence:
         self.every, self.epochs, self.share = every, epochs, share
         self.next = start_epoch + 1  # auto: measure at once, also after a resume
 
+    @property
+    def auto(self) -> bool:
+        return self.every == 0
+
     def due(self, epoch: int) -> bool:
         if epoch == self.epochs:
             return True

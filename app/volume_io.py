@@ -74,6 +74,30 @@ def read_volume(path: Path | str) -> tuple[np.ndarray, VolumeMeta]:
     return array, meta
 
 
+def volume_header(path: Path | str) -> tuple[tuple[int, ...], tuple[float, float, float] | None]:
+    """Shape and voxel spacing (the affine's column norms; NIfTI only, else ``None``) of a
+    volume, read from its header without loading the voxels."""
+    path = Path(path)
+    ext = split_ext(path)[1]
+    try:
+        if ext in (".nii", ".nii.gz"):
+            import nibabel as nib
+
+            img = nib.load(str(path))
+            spacing = tuple(float(v) for v in np.linalg.norm(img.affine[:3, :3], axis=0))
+            return tuple(img.shape), spacing
+        if ext in (".tif", ".tiff"):
+            import tifffile
+
+            with tifffile.TiffFile(str(path)) as tif:
+                return tuple(tif.series[0].shape), None
+        return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape), None
+    except Exception as exc:  # as in read_volume: every reader fails its own way
+        raise VolumeError(
+            f"{path}: cannot read {ext} header, corrupt or truncated? ({exc})"
+        ) from exc
+
+
 def write_volume(path: Path | str, array: np.ndarray, meta: VolumeMeta) -> None:
     """Write atomically (temporary file in the same folder, then rename) in ``meta``'s format."""
     with atomic_path(path, suffix=meta.ext) as tmp:

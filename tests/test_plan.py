@@ -160,3 +160,18 @@ def test_plan_follows_the_step_the_trainer_measured():
     assert plan.fit_to_step(planned * 2, frozenset()) == pytest.approx(2.0)
     assert plan.values["samples_per_volume"] == max(1, round(per_volume / 2))
     assert "measured" in plan.reasons["samples_per_volume"]
+
+
+@pytest.mark.parametrize("ext", [".nii.gz", ".tif", ".npy"])
+def test_volume_header_reads_shape_without_the_voxels(tmp_path, ext):
+    from app.volume_io import VolumeError, volume_header
+
+    path = tmp_path / f"v{ext}"
+    write_volume(path, np.zeros((6, 4, 5), np.float32), VolumeMeta(ext, affine=np.eye(4)))
+    shape, spacing = volume_header(path)
+    assert shape == (6, 4, 5)
+    assert spacing == ((1.0, 1.0, 1.0) if ext == ".nii.gz" else None)
+    bad = tmp_path / f"bad{ext}"
+    bad.write_bytes(b"not a volume")
+    with pytest.raises(VolumeError, match=f"bad{ext}: cannot read"):
+        volume_header(bad)
