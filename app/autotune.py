@@ -9,11 +9,16 @@ once, before anything is built:
    half dtype by default that it cannot compute natively (CPU bf16 autocast without AVX512-BF16
    or AMX is emulated, measured 62x slower than fp32 on an AVX2 EPYC), nor one that a known
    library bug computes wrongly. Settings the user gave are kept as given.
-2. **A measured probe**, when more than one candidate is left: every candidate runs the real
+2. **A kernel check** for every mixed-precision candidate (``app.kernel_check``): one training
+   pass at the configured model, patch and batch size, with each convolution's output and weight
+   gradient recomputed in float32 from the same inputs. A candidate whose kernels are wrong at
+   this shape is left out, with the layer named (oneDNN's bf16 weight gradient on Zen 4 is
+   garbage for inputs 2 voxels deep).
+3. **A measured probe**, when more than one candidate is left: every candidate runs the real
    training step (``app.steps.SyntheticStepper``: forward, backward and optimizer step at the
    configured model, patch and batch size) for a few seconds in all, interleaved, and the fastest
    wins; within 5% of it, the higher precision wins (fp32 over bf16 over fp16).
-3. **A cache** per device, torch version, thread count, processes per node and model shape, in
+4. **A cache** per device, torch version, thread count, processes per node and model shape, in
    ``--auto-cache`` (one JSON file per decision; deleting the folder re-measures), so a later run
    starts at once. ``--no-auto-probe`` decides from the rules alone.
 
@@ -44,6 +49,7 @@ from app.atomic import atomic_write_bytes
 from app.config import Config, ConfigError
 from app.distributed import DistEnv, broadcast_object
 from app.hardware import Capabilities, detect
+from app.kernel_check import check_convolutions
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +61,7 @@ TOO_SLOW = 10.0  # a candidate this much slower than the fastest in warm-up is n
 PROBE_TARGET_S = 0.25  # timed steps per candidate and round: about this long
 PROBE_BUDGET_S = 10.0  # two timed rounds when they fit in this, else one
 MAX_PROBE_STEPS = 8
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: decisions include the kernel check
 EMULATED_BF16 = "emulated, measured up to 62x slower than fp32"
 # cuDNN 9.10-9.14 returns wrong results for some bf16 3D convolutions (pytorch#163539; 9.15 fixes)
 CUDNN_BF16_CONV3D_BUG = range(91000, 91500)
@@ -242,6 +248,10 @@ def probe(
     with torch.random.fork_rng(devices=rng_devices):
         for cand in cands:
             try:
+                wrong = kernel_problem(cand, cfg, env.device)
+                if wrong:
+                    results[cand.label] = {"ms": None, "note": wrong}
+                    continue
                 torch.manual_seed(cfg.seed)
                 stepper = SyntheticStepper(cand.apply(cfg), local)
                 started = clock()
@@ -282,6 +292,37 @@ def probe(
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
     return {c.label: results[c.label] for c in cands}
+
+
+def kernel_problem(cand: Candidate, cfg: Config, device: torch.device) -> str:
+    """Why ``cand``'s convolutions cannot be trusted at this shape, or "" (fp32 and the
+    pure-half O3 level are not checked; O3 is never an ``auto`` candidate)."""
+    if cand.opt_level != "O1" or cfg.amp_backend != "native":
+        return ""
+    error = check_convolutions(cand.apply(cfg), device)
+    return "" if error.ok else f"wrong kernels: {error.describe()}"
+
+
+def warn_if_wrong(cand: Candidate, cfg: Config, device: torch.device) -> None:
+    """A precision the user set is kept, but not silently when its kernels are wrong here."""
+    if cand.memory_format == "auto":
+        return
+    try:
+        wrong = kernel_problem(cand, cfg, device)
+    except RuntimeError as exc:  # the run itself will say it better
+        log.debug("kernel check failed: %s", first_line(exc))
+        return
+    if wrong:
+        patch = "x".join(map(str, cfg.patch_size))
+        log.warning(
+            "%s as set, but at patch %s, depth %d its %s: the weights it updates learn from "
+            "garbage. Use --opt-level O0, or another --patch-size/--depth (oneDNN's bf16 "
+            "weight gradient fails where a layer's input is 2 voxels deep)",
+            cand.label,
+            patch,
+            cfg.depth,
+            wrong,
+        )
 
 
 def first_line(exc: BaseException) -> str:
@@ -425,9 +466,10 @@ def decide(cfg: Config, env: DistEnv, resumed: dict[str, Any] | None = None) -> 
     """Resolve the ``auto`` fields of ``cfg``; call on every rank (collectives inside)."""
     if not needs_deciding(cfg):
         dtype = "float32" if cfg.opt_level == "O0" else cfg.amp_dtype
-        return Decision(
-            Candidate(cfg.opt_level, dtype, cfg.memory_format), "fixed", "as set", settings_of(cfg)
-        )
+        fixed = Candidate(cfg.opt_level, dtype, cfg.memory_format)
+        if env.is_primary:
+            warn_if_wrong(fixed, cfg, env.device)
+        return Decision(fixed, "fixed", "as set", settings_of(cfg))
     if resumed is not None:  # every rank holds the same checkpoint: no collective needed
         return from_checkpoint(cfg, resumed, env.device)
     plan = broadcast_object(plan_on_primary(cfg, env) if env.is_primary else None)

@@ -58,6 +58,7 @@ VAL_SHARE = 0.1  # validation may take this share of the training time
 MILESTONE_FRACTIONS = (0.6, 0.85)
 NORMALISATION_MARGIN = 0.01  # band Dice a normalisation must gain over the per-volume z-score
 MAX_DEPTH = 4
+MIN_BOTTOM = 4  # voxels per axis left at the bottom of the U-Net (nnU-Net's minimum edge)
 # A training epoch's time per step over the probe's (data loading, worker start-up, progress):
 # 1.35 on the MNI152 runs of README "Quality on real data", 2 processes on 2 cores.
 STEP_OVERHEAD = 1.3
@@ -194,8 +195,13 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
         list(patch),
         f"{why}, shaped like the median volume {'x'.join(map(str, data.median_shape))}",
     )
-    depth = min(MAX_DEPTH, 1 + int(math.log2(min(patch) // 2)))
-    plan.choose("depth", depth, f"{depth - 1} poolings leave at least 2 voxels of {min(patch)}")
+    depth = depth_for(patch)
+    plan.choose(
+        "depth",
+        depth,
+        f"{depth - 1} poolings leave at least {MIN_BOTTOM} voxels of {min(patch)} (as nnU-Net; "
+        "2 voxels deep also hit a bf16 kernel bug, app.kernel_check)",
+    )
 
     # The step scales about linearly with the patch's voxels (convolutions dominate).
     step_s = device.step_s * math.prod(patch) / ref_voxels * STEP_OVERHEAD
@@ -239,6 +245,11 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
         "(the last epoch is always validated)",
     )
     return plan
+
+
+def depth_for(patch: tuple[int, ...]) -> int:
+    """U-Net levels: pool while every axis keeps at least :data:`MIN_BOTTOM` voxels."""
+    return max(2, min(MAX_DEPTH, 1 + int(math.log2(min(patch) / MIN_BOTTOM))))
 
 
 def fit_patch(median: tuple[int, int, int], voxels: float) -> tuple[int, int, int]:
@@ -312,7 +323,7 @@ def device_fingerprint(device: torch.device, processes: int) -> DeviceFingerprin
         patch_size=REFERENCE_PATCH,
         batch_size=batch,
         f_maps=CPU_F_MAPS if cpu else CUDA_F_MAPS,
-        depth=MAX_DEPTH,
+        depth=depth_for(REFERENCE_PATCH),
         norm="none" if batch < SMALL_BATCH else "batch",
         device=device.type,
     )
