@@ -44,8 +44,9 @@ from app.volume_io import VolumeError, volume_header
 log = logging.getLogger("app.plan")
 
 REFERENCE_PATCH = (16, 64, 64)  # the patch the device's step is measured at
-# A CPU step of about this long keeps ~2,700 steps per process in a 5-minute budget. On MNI152 (README)
-# more steps beat larger patches: 0.1 s (16x64x48) reached val Dice 0.954, 0.2 s (16x96x80) 0.940.
+# A CPU step of about this long keeps ~2,700 steps per process in a 5-minute budget. On MNI152
+# (README) more steps beat larger patches: 0.1 s (16x64x48) reached val Dice 0.954, 0.2 s
+# (16x96x80) 0.940.
 CPU_STEP_TARGET_S = 0.1
 CPU_BATCH, CUDA_BATCH = 2, 8
 CPU_F_MAPS, CUDA_F_MAPS = 8, 32

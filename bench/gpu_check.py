@@ -91,6 +91,7 @@ from app.config import Config  # noqa: E402
 from app.data import Normalization  # noqa: E402
 from app.distributed import DistEnv, distributed_session, prepare, unwrap  # noqa: E402
 from app.hardware import detect  # noqa: E402
+from app.kernel_check import check_convolutions  # noqa: E402
 from app.losses import BCEDiceLoss  # noqa: E402
 from app.model import UNet3d, use_channels_last  # noqa: E402
 from app.precision import ApexPrecision, build_precision  # noqa: E402
@@ -503,6 +504,29 @@ def check_auto_decision(ctx: Context) -> None:
     )
 
 
+def check_kernels(ctx: Context) -> None:
+    """Each half dtype's convolution outputs and weight gradients against float32 from the same
+    inputs (``app.kernel_check``), at the speed config and at a 16-deep patch with depth 4 (the
+    bottom 2 voxels deep, the shape oneDNN's bf16 gets wrong on Zen 4 CPUs)."""
+    base = speed_config(ctx)
+    shapes = [base, dataclasses.replace(base, patch_size=(16, 64, 64), depth=4)]
+    if ctx.device.type == "cuda":
+        dtypes = ["bfloat16", "float16"] if torch.cuda.is_bf16_supported() else ["float16"]
+    else:  # a CPU's emulated half dtypes are never auto candidates: not worth the minutes
+        dtypes, _ = autotune.native_half_dtypes(detect(ctx.device))
+    if not dtypes:
+        ctx.report.skip("kernels", "no native half dtype on this device")
+    for dtype in dtypes:
+        results = []
+        for cfg in shapes:
+            cfg = dataclasses.replace(cfg, opt_level="O1", amp_dtype=dtype)
+            error = check_convolutions(cfg, ctx.device)
+            patch = "x".join(map(str, cfg.patch_size))
+            results.append((error.ok, f"{patch} depth {cfg.depth}: {error.describe()}"))
+        ok = all(good for good, _ in results)
+        ctx.report.verdict(ok, f"kernels-{dtype}", "; ".join(text for _, text in results))
+
+
 def _nccl_worker(_index: int, port: int, out: str) -> None:
     def body() -> dict:
         device = torch.device("cuda", 0)
@@ -886,6 +910,7 @@ CHECKS: list[tuple[str, Callable[[Context], None]]] = [
     ("native", check_native_steps),
     ("scaler-checkpoint", check_scaler_checkpoint),
     ("channels-last-3d", check_channels_last),
+    ("kernels", check_kernels),
     ("auto-decision", check_auto_decision),
     ("nccl-init", check_nccl),
     ("ddp-syncbn", check_ddp_syncbn),
