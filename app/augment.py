@@ -1,7 +1,12 @@
 """Training-patch augmentation, applied identically to a patch and its label.
 
-Two levels (``--augment-level``):
+Four levels (``--augment-level``), geometric and/or intensity changes:
 
+- ``flips``: random flips on the three axes only, for data whose absolute intensity is the label's
+  main cue (a calibrated scale, as CT or a template): the intensity changes of ``basic`` move
+  voxels across that boundary.
+- ``spatial``: ``flips`` after MONAI's rotation, scaling and elastic deformation (as in ``full``),
+  still with the intensities untouched.
 - ``basic``: random flips on the three axes, brightness/contrast, Gaussian noise and blur.
 - ``full``: ``basic`` after MONAI's dictionary transforms (``monai.transforms``): a random
   rotation (up to 15 degrees about each axis) and scaling (up to 15%) in one resampling, an
@@ -12,21 +17,23 @@ Two levels (``--augment-level``):
 All randomness comes from the ``numpy.random.Generator`` passed in (the dataset derives it from
 seed, epoch and index), so a run is reproducible whatever the number of workers or processes.
 
-The flips use albumentations (``HorizontalFlip``/``VerticalFlip`` on ``volume`` + ``mask3d``).
-The depth flip and the basic intensity changes are written here: albumentations 2.0.8 has no
-depth flip, its brightness/contrast and noise transforms raise ``KeyError: 'images'`` on the
-``volume`` target, and its blur clips float volumes to [0, 1], which destroys z-scored data.
+The flips and the basic intensity changes are written here. albumentations 2.0.8 has no depth
+flip, and ``Compose.set_random_seed`` hands every transform the same seed, so its
+``HorizontalFlip`` and ``VerticalFlip`` (both p=0.5) always agree: 4 of the 8 mirrorings, never
+one in-plane axis alone. Its brightness/contrast and noise transforms raise ``KeyError:
+'images'`` on the ``volume`` target, and its blur clips float volumes to [0, 1], which destroys
+z-scored data.
 """
 
 from __future__ import annotations
 
 import math
 
-import albumentations as A
 import numpy as np
 from scipy import ndimage
 
-LEVELS = ("basic", "full")
+LEVELS = ("flips", "spatial", "basic", "full")
+GEOMETRIC_ONLY = ("flips", "spatial")
 MAX_ROTATION = math.radians(15.0)
 MAX_SCALING = 0.15
 
@@ -34,35 +41,37 @@ MAX_SCALING = 0.15
 def spatial_transforms(
     affine_p: float = 0.3, elastic_p: float = 0.1, gamma_p: float = 0.3
 ):  # -> monai.transforms.Compose (imported lazily: MONAI takes a second to import)
-    """MONAI's rotation + scaling, elastic deformation and gamma, on keys ``image`` and
-    ``label`` of channel-first arrays."""
+    """MONAI's rotation + scaling, elastic deformation and (unless ``gamma_p`` is 0) gamma, on
+    keys ``image`` and ``label`` of channel-first arrays."""
     from monai.transforms import Compose, Rand3DElasticd, RandAdjustContrastd, RandAffined
 
     keys, modes = ("image", "label"), ("bilinear", "nearest")
-    return Compose(
-        [
-            RandAffined(
-                keys,
-                prob=affine_p,
-                rotate_range=(MAX_ROTATION,) * 3,
-                scale_range=(MAX_SCALING,) * 3,
-                mode=modes,
-                padding_mode="reflection",
-            ),
-            # Offsets drawn per voxel in [magnitude], smoothed by a Gaussian of sigma voxels:
-            # displacements of about 1-2 voxels that vary over about 10 voxels.
-            Rand3DElasticd(
-                keys,
-                sigma_range=(5.0, 7.0),
-                magnitude_range=(50.0, 100.0),
-                prob=elastic_p,
-                mode=modes,
-                padding_mode="reflection",
-            ),
-            # retain_stats: the patch keeps its mean and std, so z-scored data stays z-scored
-            RandAdjustContrastd("image", prob=gamma_p, gamma=(0.7, 1.5), retain_stats=True),
-        ]
-    )
+    transforms = [
+        RandAffined(
+            keys,
+            prob=affine_p,
+            rotate_range=(MAX_ROTATION,) * 3,
+            scale_range=(MAX_SCALING,) * 3,
+            mode=modes,
+            padding_mode="reflection",
+        ),
+        # Offsets drawn per voxel in [magnitude], smoothed by a Gaussian of sigma voxels:
+        # displacements of about 1-2 voxels that vary over about 10 voxels.
+        Rand3DElasticd(
+            keys,
+            sigma_range=(5.0, 7.0),
+            magnitude_range=(50.0, 100.0),
+            prob=elastic_p,
+            mode=modes,
+            padding_mode="reflection",
+        ),
+    ]
+    if gamma_p > 0:
+        # retain_stats: the patch keeps its mean and std, so z-scored data stays z-scored
+        transforms.append(
+            RandAdjustContrastd("image", prob=gamma_p, gamma=(0.7, 1.5), retain_stats=True)
+        )
+    return Compose(transforms)
 
 
 class Augment:
@@ -72,17 +81,19 @@ class Augment:
         if level not in LEVELS:
             raise ValueError(f"unknown augmentation level {level!r}; choose {', '.join(LEVELS)}")
         self.level = level
-        self.flips = A.Compose([A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5)])
-        self.spatial = spatial_transforms() if level == "full" else None
+        self.spatial = (
+            spatial_transforms(gamma_p=0.0 if level == "spatial" else 0.3)
+            if level in ("spatial", "full")
+            else None
+        )
 
     def __call__(self, image: np.ndarray, label: np.ndarray, rng: np.random.Generator):
         if self.spatial is not None:
             image, label = self.deform(image, label, int(rng.integers(2**31)))
-        self.flips.set_random_seed(int(rng.integers(2**31)))
-        out = self.flips(volume=image, mask3d=label)
-        image, label = out["volume"], out["mask3d"]
-        if rng.random() < 0.5:
-            image, label = image[::-1], label[::-1]
+        flipped = tuple(axis for axis in range(3) if rng.random() < 0.5)
+        image, label = np.flip(image, flipped), np.flip(label, flipped)
+        if self.level in GEOMETRIC_ONLY:
+            return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label)
         if rng.random() < 0.3:  # brightness and contrast
             image = image * rng.uniform(0.85, 1.15) + rng.uniform(-0.15, 0.15)
         if rng.random() < 0.15:

@@ -60,10 +60,11 @@ class Config:
         "data",
     )
     augment: bool = _opt(True, "augment training patches (see --augment-level)", "data")
-    augment_level: Literal["basic", "full"] = _opt(
+    augment_level: Literal["flips", "spatial", "basic", "full"] = _opt(
         "basic",
-        "basic: flips, brightness/contrast, noise, blur; full: also MONAI rotation, scaling, "
-        "elastic deformation and gamma (app/augment.py)",
+        "flips: random flips only; spatial: also MONAI rotation, scaling and elastic "
+        "deformation (both leave intensities untouched); basic: flips, brightness/contrast, "
+        "noise, blur; full: basic, spatial and gamma (app/augment.py)",
         "data",
     )
     num_workers: int = _opt(2, "DataLoader worker processes per training process", "data")

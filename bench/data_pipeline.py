@@ -1,4 +1,4 @@
-"""Data pipeline rate: training patches/s with augmentation off, basic and full, side by side.
+"""Data pipeline rate: training patches/s with augmentation off and at each level, side by side.
 
     python bench/data_pipeline.py                            # generated volumes, config defaults
     python bench/data_pipeline.py --config configs/demo.yaml --repeats 5
@@ -11,10 +11,10 @@ file) a small set is generated in a temporary folder with ``datasets/make_synthe
 (``--gen-volumes`` volumes of ``--gen-shape``) and deleted at the end.
 
 What runs is the trainer's pipeline: ``load_split`` + ``PatchDataset`` (augmentation off, then
-``--augment-level basic`` and ``full``, see ``app/augment.py``) +
+each ``--augment-level``: flips, spatial, basic, full, see ``app/augment.py``) +
 ``DistributedSampler`` (one replica) + ``DataLoader`` with ``--num-workers`` and ``--batch-size``.
 One timed run is one epoch, ``set_epoch`` included, and includes starting the worker processes,
-since the trainer's workers are not persistent either. The modes alternate (epoch 1 off, basic,
+since the trainer's workers are not persistent either. The modes alternate (epoch 1 off, flips, ...,
 full, epoch 2 off, ...), so all see the same patches and the same machine load; the table gives
 medians over ``--repeats`` epochs and the ratio to off. ``ms/patch`` is ``__getitem__`` in
 this process alone (no DataLoader): the CPU cost of one patch, for one worker.
@@ -54,6 +54,7 @@ def load_by_path(name: str, path: Path) -> ModuleType:
 
 train_step = load_by_path("bench_train_step", ROOT / "bench" / "train_step.py")
 
+from app.augment import LEVELS  # noqa: E402
 from app.config import Config, ConfigError  # noqa: E402
 from app.data import DataError, PatchDataset, load_split  # noqa: E402
 from app.volume_io import VolumeError  # noqa: E402
@@ -128,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         loaders = {}
-        for mode in ("off", "basic", "full"):
+        for mode in ("off", *LEVELS):
             dataset = PatchDataset(
                 volumes,
                 cfg.patch_size,

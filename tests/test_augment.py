@@ -48,6 +48,26 @@ def test_whole_call_is_aligned_and_reproducible():
         assert inside.mean() > outside.mean() + 0.5
 
 
+def test_flips_level_only_flips():
+    # every output is one of the 8 mirrorings of the input, label and image alike, with the
+    # intensities unchanged (basic's brightness/noise/blur would change them)
+    rng = np.random.default_rng(0)
+    image = rng.random(SHAPE, dtype=np.float32)
+    label = (image > 0.5).astype(np.uint8)
+    mirrorings = [
+        tuple(axis for axis, flip in zip(range(3), bits) if flip) for bits in np.ndindex(2, 2, 2)
+    ]
+    augment = Augment("flips")
+    seen = set()
+    for seed in range(24):
+        out_image, out_label = augment(image, label, np.random.default_rng(seed))
+        matches = [a for a in mirrorings if np.array_equal(out_image, np.flip(image, a))]
+        assert len(matches) == 1, f"seed {seed}: not a pure mirroring of the input"
+        np.testing.assert_array_equal(out_label, np.flip(label, matches[0]))
+        seen.add(matches[0])
+    assert len(seen) >= 6  # all three axes do get flipped
+
+
 def test_unknown_level_is_refused():
     with pytest.raises(ValueError, match="augmentation level 'strong'"):
         Augment("strong")

@@ -65,8 +65,9 @@ def test_cpu_plan_for_slabs():
     assert v["epochs"] * epoch_s == pytest.approx(300, rel=0.1)
     assert v["milestones"] == [round(0.6 * v["epochs"]), round(0.85 * v["epochs"])]
     assert v["val_every"] >= 1
-    assert v["augment"] is False  # 5 minutes on a CPU: the model underfits as it is
-    assert make_plan(SLABS, CPU, budget_s=3600).values["augment"] is True
+    # one intensity scale: flips only, at every budget (intensity changes would blur the band)
+    assert v["augment"] is True and v["augment_level"] == "flips"
+    assert make_plan(SLABS, CPU, budget_s=3600).values["augment_level"] == "flips"
     assert set(plan.reasons) == set(v) and all(plan.reasons.values())
 
 
@@ -78,7 +79,10 @@ def test_gpu_plan_for_ct():
     assert math.prod(v["patch_size"]) <= 32 * 160 * 160 and v["depth"] == 4
     assert v["patch_size"][0] <= 80  # never deeper than the volumes (74, rounded up to 8)
     assert v["epochs"] >= 1 and v["milestones"][-1] <= v["epochs"]
-    assert v["augment"] is True
+    assert v["augment"] is True and v["augment_level"] == "basic"
+    # per-volume z-scores on a CPU: no augmentation in 5 minutes, the basic level in an hour
+    assert make_plan(CT, CPU, budget_s=300).values["augment"] is False
+    assert make_plan(CT, CPU, budget_s=3600).values["augment_level"] == "basic"
 
 
 def test_validation_cadence_follows_its_cost():
