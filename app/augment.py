@@ -32,8 +32,9 @@ import math
 import numpy as np
 from scipy import ndimage
 
-LEVELS = ("flips", "spatial", "basic", "full")
-GEOMETRIC_ONLY = ("flips", "spatial")
+LEVELS = ("flips", "spatial", "basic", "full")  # every level flips
+WITH_DEFORMATION = ("spatial", "full")
+WITH_INTENSITY = ("basic", "full")
 MAX_ROTATION = math.radians(15.0)
 MAX_SCALING = 0.15
 
@@ -81,9 +82,10 @@ class Augment:
         if level not in LEVELS:
             raise ValueError(f"unknown augmentation level {level!r}; choose {', '.join(LEVELS)}")
         self.level = level
+        self.intensity = level in WITH_INTENSITY
         self.spatial = (
-            spatial_transforms(gamma_p=0.0 if level == "spatial" else 0.3)
-            if level in ("spatial", "full")
+            spatial_transforms(gamma_p=0.3 if self.intensity else 0.0)
+            if level in WITH_DEFORMATION
             else None
         )
 
@@ -92,15 +94,19 @@ class Augment:
             image, label = self.deform(image, label, int(rng.integers(2**31)))
         flipped = tuple(axis for axis in range(3) if rng.random() < 0.5)
         image, label = np.flip(image, flipped), np.flip(label, flipped)
-        if self.level in GEOMETRIC_ONLY:
-            return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label)
+        if self.intensity:
+            image = self.change_intensity(image, rng)
+        return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label)
+
+    @staticmethod
+    def change_intensity(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         if rng.random() < 0.3:  # brightness and contrast
             image = image * rng.uniform(0.85, 1.15) + rng.uniform(-0.15, 0.15)
         if rng.random() < 0.15:
             image = image + rng.normal(0.0, rng.uniform(0.0, 0.1), image.shape)
         if rng.random() < 0.15:
             image = ndimage.gaussian_filter(image, sigma=rng.uniform(0.5, 1.0))
-        return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label)
+        return image
 
     def deform(self, image: np.ndarray, label: np.ndarray, seed: int):
         self.spatial.set_random_state(seed=seed)
