@@ -1,10 +1,13 @@
 """Training-patch augmentation, applied identically to a patch and its label.
 
-Four levels (``--augment-level``), geometric and/or intensity changes:
+Five levels (``--augment-level``), geometric and/or intensity changes:
 
 - ``flips``: random flips on the three axes only, for data whose absolute intensity is the label's
   main cue (a calibrated scale, as CT or a template): the intensity changes of ``basic`` move
   voxels across that boundary.
+- ``rot90``: ``flips`` and a random quarter turn in the H-W plane: all 16 orientations that
+  keep the depth axis, for voxels square in-plane (it needs a patch with H == W). Exact, like
+  the flips: no resampling, and no cost.
 - ``spatial``: ``flips`` after MONAI's rotation, scaling and elastic deformation (as in ``full``),
   still with the intensities untouched.
 - ``basic``: random flips on the three axes, brightness/contrast, Gaussian noise and blur.
@@ -32,7 +35,7 @@ import math
 import numpy as np
 from scipy import ndimage
 
-LEVELS = ("flips", "spatial", "basic", "full")  # every level flips
+LEVELS = ("flips", "rot90", "gamma", "spatial", "basic", "full")  # every level flips
 WITH_DEFORMATION = ("spatial", "full")
 WITH_INTENSITY = ("basic", "full")
 MAX_ROTATION = math.radians(15.0)
@@ -44,7 +47,7 @@ def spatial_transforms(
 ):  # -> monai.transforms.Compose (imported lazily: MONAI takes a second to import)
     """MONAI's rotation + scaling, elastic deformation and (unless ``gamma_p`` is 0) gamma, on
     keys ``image`` and ``label`` of channel-first arrays."""
-    from monai.transforms import Compose, Rand3DElasticd, RandAdjustContrastd, RandAffined
+    from monai.transforms import Compose, Rand3DElasticd, RandAffined
 
     keys, modes = ("image", "label"), ("bilinear", "nearest")
     transforms = [
@@ -68,11 +71,16 @@ def spatial_transforms(
         ),
     ]
     if gamma_p > 0:
-        # retain_stats: the patch keeps its mean and std, so z-scored data stays z-scored
-        transforms.append(
-            RandAdjustContrastd("image", prob=gamma_p, gamma=(0.7, 1.5), retain_stats=True)
-        )
+        transforms.append(gamma_transform(gamma_p))
     return Compose(transforms)
+
+
+def gamma_transform(p: float = 0.3):
+    """MONAI's gamma change of the image (key ``image``); ``retain_stats``: the patch keeps its
+    mean and std, so z-scored data stays z-scored."""
+    from monai.transforms import RandAdjustContrastd
+
+    return RandAdjustContrastd("image", prob=p, gamma=(0.7, 1.5), retain_stats=True)
 
 
 class Augment:
@@ -88,14 +96,23 @@ class Augment:
             if level in WITH_DEFORMATION
             else None
         )
+        self.gamma = gamma_transform() if level == "gamma" else None
 
     def __call__(self, image: np.ndarray, label: np.ndarray, rng: np.random.Generator):
         if self.spatial is not None:
             image, label = self.deform(image, label, int(rng.integers(2**31)))
         flipped = tuple(axis for axis in range(3) if rng.random() < 0.5)
         image, label = np.flip(image, flipped), np.flip(label, flipped)
+        if self.level == "rot90":
+            if image.shape[1] != image.shape[2]:
+                raise ValueError(f"rot90 needs patches square in H-W, got {image.shape}")
+            turns = int(rng.integers(4))
+            image, label = np.rot90(image, turns, (1, 2)), np.rot90(label, turns, (1, 2))
         if self.intensity:
             image = self.change_intensity(image, rng)
+        if self.gamma is not None:
+            self.gamma.set_random_state(seed=int(rng.integers(2**31)))
+            image = np.asarray(self.gamma({"image": np.ascontiguousarray(image)[None]})["image"])[0]
         return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label)
 
     @staticmethod

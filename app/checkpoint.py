@@ -3,11 +3,12 @@
 A checkpoint is plain data (tensors, numbers, strings, lists, dicts) so that it loads with
 ``torch.load(..., weights_only=True)``:
 
-``model`` (the unwrapped state_dict), ``optimizer``, ``scheduler``, ``precision`` (backend,
-opt level, dtype, and the GradScaler or apex ``amp`` state), ``epoch`` (epochs completed),
-``best_dice``, ``metrics`` (that epoch's record), ``config`` (with its ``auto`` settings
-resolved), ``resolved`` (that decision and its reason, ``app.autotune``) and ``rng`` (torch,
-CUDA, numpy and Python generator states). A model holding NaN or Inf is never written.
+``model`` (the unwrapped state_dict), ``ema`` (``None``, or the weight average of ``--ema-decay``:
+its decay, update count and weights, ``app.ema``), ``optimizer``, ``scheduler``, ``precision``
+(backend, opt level, dtype, and the GradScaler or apex ``amp`` state), ``epoch`` (epochs completed),
+``best_dice``, ``metrics`` (that epoch's record), ``config`` (with its ``auto`` settings resolved),
+``resolved`` (that decision and its reason, ``app.autotune``) and ``rng`` (torch, CUDA, numpy and
+Python generator states). A model holding NaN or Inf is never written.
 
 Writes are atomic (``app.atomic``): a writer killed at any point leaves the previous file intact.
 """
@@ -41,9 +42,10 @@ class CheckpointError(RuntimeError):
 
 def save_checkpoint(path: Path | str, state: dict[str, Any]) -> None:
     """Write ``state`` atomically; refuses weights holding NaN or Inf, keeping the file there."""
+    average = (state.get("ema") or {}).get("weights", {})
     bad = [
         name
-        for name, tensor in state.get("model", {}).items()
+        for name, tensor in [*state.get("model", {}).items(), *average.items()]
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
     ]
     if bad:

@@ -60,11 +60,13 @@ class Config:
         "data",
     )
     augment: bool = _opt(True, "augment training patches (see --augment-level)", "data")
-    augment_level: Literal["flips", "spatial", "basic", "full"] = _opt(
+    augment_level: Literal["flips", "rot90", "gamma", "spatial", "basic", "full"] = _opt(
         "basic",
-        "flips: random flips only; spatial: also MONAI rotation, scaling and elastic "
-        "deformation (both leave intensities untouched); basic: flips, brightness/contrast, "
-        "noise, blur; full: basic, spatial and gamma (app/augment.py)",
+        "flips: random flips only; rot90: flips and quarter turns in H-W (square patches, "
+        "for voxels square in-plane); gamma: flips and MONAI's gamma change; spatial: flips "
+        "and MONAI rotation, scaling and elastic deformation (flips, rot90 and spatial leave "
+        "intensities untouched); basic: flips, brightness/contrast, noise, blur; full: basic, "
+        "spatial and gamma (app/augment.py)",
         "data",
     )
     num_workers: int = _opt(2, "DataLoader worker processes per training process", "data")
@@ -96,6 +98,12 @@ class Config:
         "none", "scale --lr by world size (linear) or its square root (sqrt)", "optim"
     )
     warmup_epochs: int = _opt(0, "linear learning-rate warmup epochs before MultiStepLR", "optim")
+    ema_decay: float = _opt(
+        0.0,
+        "keep an exponential moving average of the weights with this decay per step (e.g. "
+        "0.999); validation, best.pt and app.predict then use the average; 0 = off",
+        "optim",
+    )
     bce_weight: float = _opt(1.0, "weight of the BCE term of the loss", "optim")
     dice_weight: float = _opt(1.0, "weight of the soft Dice term of the loss", "optim")
 
@@ -340,6 +348,11 @@ def validate(cfg: Config) -> None:
         "patch_size",
         f"must be at least {smallest} on every axis for --depth {cfg.depth}",
     )
+    need(
+        not cfg.augment or cfg.augment_level != "rot90" or cfg.patch_size[1] == cfg.patch_size[2],
+        "patch_size",
+        "must have H == W for --augment-level rot90 (quarter turns in H-W)",
+    )
     need(cfg.num_workers >= 0, "num_workers", "must be 0 or more")
     need(0.0 <= cfg.foreground_fraction <= 1.0, "foreground_fraction", "must be within [0, 1]")
     need(cfg.lr > 0, "lr", "must be positive")
@@ -351,6 +364,7 @@ def validate(cfg: Config) -> None:
         "must be increasing positive epochs",
     )
     need(cfg.warmup_epochs >= 0, "warmup_epochs", "must be 0 or more")
+    need(0.0 <= cfg.ema_decay < 1.0, "ema_decay", "must be within [0, 1) (0 = off)")
     need(
         cfg.bce_weight >= 0 and cfg.dice_weight >= 0 and cfg.bce_weight + cfg.dice_weight > 0,
         "bce_weight",

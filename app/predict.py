@@ -52,6 +52,7 @@ from app.checkpoint import CheckpointError, load_checkpoint
 from app.config import FIELDS, Config, ConfigError
 from app.data import Normalization, check_finite
 from app.distributed import barrier, distributed_session, reduce_tensor
+from app.ema import inference_weights
 from app.inference import predict_logits
 from app.model import build_model
 from app.precision import Precision, build_precision
@@ -189,7 +190,7 @@ def build_predictor(
         raise PredictError(f"--sw-batch-size must be at least 1, got {sw_batch_size}")
     model = build_model(cfg, device)
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(inference_weights(state))
     except (RuntimeError, TypeError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(

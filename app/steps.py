@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from app.config import Config
-from app.distributed import DistEnv, prepare, reduce_tensor
+from app.distributed import DistEnv, prepare, reduce_tensor, unwrap
+from app.ema import WeightAverage
 from app.losses import BCEDiceLoss
 from app.model import build_model
 from app.precision import Precision, build_precision
@@ -84,13 +85,16 @@ def train_one_epoch(
     env: DistEnv,
     epoch: int,
     epochs: int,
+    average: WeightAverage | None = None,
 ) -> EpochTotals:
-    """Every step of one epoch; the totals are reduced across ranks once, after the loop.
+    """Every step of one epoch, each folded into ``average`` when there is one; the totals are
+    reduced across ranks once, after the loop.
 
     The loss sum and the skipped-step count stay on the device: no per-step host sync or
     collective (the progress bar reads them every ``--log-every`` steps, primary rank only).
     """
     model.train()
+    module = unwrap(model)
     totals = torch.zeros(4, dtype=torch.float64, device=env.device)  # loss, steps, skipped, n
     bar = tracker.progress(loader, epoch, epochs)
     for step, (images, labels) in enumerate(bar, start=1):
@@ -101,6 +105,8 @@ def train_one_epoch(
         optimizer.zero_grad(set_to_none=True)
         precision.backward(loss, optimizer)
         skipped = precision.step(optimizer)  # 1 when a gradient held NaN/Inf: nothing changed
+        if average is not None:
+            average.update(module)
         totals[0] += torch.where(skipped.bool(), 0.0, loss.detach().double())
         totals[1] += 1
         totals[2] += skipped

@@ -45,6 +45,7 @@ from app.distributed import (
     prepare,
     unwrap,
 )
+from app.ema import WeightAverage, inference_weights
 from app.floor import Floor, floors_from_volumes
 from app.losses import BCEDiceLoss
 from app.model import build_model
@@ -71,9 +72,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRSchedule
 
 
 def run_evaluation(model, val_volumes, loss_fn, precision, env: DistEnv, cfg: Config):
-    broadcast_buffers(unwrap(model))  # every rank evaluates the model that rank 0 saves
+    """Exact sharded evaluation of ``model`` (a module, or the weight average's copy)."""
+    broadcast_buffers(model)  # every rank evaluates the model that rank 0 saves
     return evaluate(
-        unwrap(model),
+        model,
         val_volumes,
         loss_fn,
         precision,
@@ -97,10 +99,12 @@ def checkpoint_state(
     normalization: Normalization,
     resolved: dict[str, Any] | None = None,
     plan: Plan | None = None,
+    average: WeightAverage | None = None,
 ) -> dict[str, Any]:
     return {
         "format_version": 1,
         "model": unwrap(model).state_dict(),
+        "ema": average.state_dict() if average else None,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "precision": precision.state_dict(),
@@ -122,6 +126,7 @@ def restore(
     optimizer: torch.optim.Optimizer,
     scheduler: LRScheduler,
     precision: Precision,
+    average: WeightAverage | None,
 ) -> tuple[int, float, dict | None]:
     """Load checkpoint ``state`` (read from ``path``) into the prepared objects; returns
     (epoch, best Dice, its metrics)."""
@@ -141,10 +146,25 @@ def restore(
     scheduler.load_state_dict(state["scheduler"])
     precision.load_state_dict(state["precision"])  # after initialize(), as apex requires
     set_rng_state(state["rng"])
+    if average is not None:
+        if state.get("ema"):
+            average.load_state_dict(state["ema"])
+        else:
+            log.info("%s has no weight average: --ema-decay starts one from its weights", path)
+            average.model.load_state_dict(state["model"])
     log.info(
         "resumed from %s at epoch %d (best dice %.4f)", path, state["epoch"], state["best_dice"]
     )
     return state["epoch"], state["best_dice"], state.get("metrics")
+
+
+def weight_average(module: nn.Module, cfg: Config) -> WeightAverage | None:
+    if not cfg.ema_decay:
+        return None
+    try:
+        return WeightAverage(module, cfg.ema_decay)
+    except ValueError as exc:
+        raise ConfigError(f"--ema-decay {cfg.ema_decay:g}: {exc}") from exc
 
 
 def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
@@ -292,11 +312,13 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = prepare(model, optimizer, precision, env)
     loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
+    average = weight_average(unwrap(model), cfg)
+    evaluated = average.model if average else unwrap(model)  # what best.pt is chosen by
 
     start_epoch, best_dice, resumed_metrics = 0, -1.0, None
     if resumed is not None:
         start_epoch, best_dice, resumed_metrics = restore(
-            resumed, resume_from, model, optimizer, scheduler, precision
+            resumed, resume_from, model, optimizer, scheduler, precision, average
         )
 
     log.info(
@@ -311,7 +333,8 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     )
 
     if cfg.eval_only:
-        result, _ = run_evaluation(model, val_volumes, loss_fn, precision, env, cfg)
+        evaluated.load_state_dict(inference_weights(resumed))  # the weights app.predict uses
+        result, _ = run_evaluation(evaluated, val_volumes, loss_fn, precision, env, cfg)
         if env.is_primary:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             write_eval_report(cfg.run_dir / "eval.json", result, start_epoch)
@@ -343,7 +366,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
         started = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
         totals = train_one_epoch(
-            model, loader, optimizer, precision, loss_fn, tracker, env, epoch, cfg.epochs
+            model, loader, optimizer, precision, loss_fn, tracker, env, epoch, cfg.epochs, average
         )
         train_time = time.perf_counter() - started
         check_steps_taken(totals, epoch, cfg)  # before anything of this epoch is saved
@@ -358,7 +381,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
         sample, val_time = None, 0.0
         if cadence.due(epoch):
             val_started = time.perf_counter()
-            result, sample = run_evaluation(model, val_volumes, loss_fn, precision, env, cfg)
+            result, sample = run_evaluation(evaluated, val_volumes, loss_fn, precision, env, cfg)
             val_time = time.perf_counter() - val_started
             record.update(result.summary())
             if floor is not None:
@@ -391,6 +414,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
                 normalization,
                 decision.to_dict(),
                 plan,
+                average,
             )
             save_checkpoint(checkpoint_dir(cfg.run_dir) / "last.pt", state)
             if improved:

@@ -11,7 +11,7 @@ file) a small set is generated in a temporary folder with ``datasets/make_synthe
 (``--gen-volumes`` volumes of ``--gen-shape``) and deleted at the end.
 
 What runs is the trainer's pipeline: ``load_split`` + ``PatchDataset`` (augmentation off, then
-each ``--augment-level``: flips, spatial, basic, full, see ``app/augment.py``) +
+each ``--augment-level``: flips, rot90, gamma, spatial, basic, full, see ``app/augment.py``) +
 ``DistributedSampler`` (one replica) + ``DataLoader`` with ``--num-workers`` and ``--batch-size``.
 One timed run is one epoch, ``set_epoch`` included, and includes starting the worker processes,
 since the trainer's workers are not persistent either. The modes alternate (epoch 1 off, flips, ...,

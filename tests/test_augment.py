@@ -68,6 +68,35 @@ def test_flips_level_only_flips():
     assert len(seen) >= 6  # all three axes do get flipped
 
 
+def test_rot90_level_turns_and_flips_image_and_label_together():
+    # every output is one of the 16 orientations that keep the depth axis (4 quarter turns in
+    # H-W of the 4 in-plane mirrorings, each with or without a depth flip), label alike
+    rng = np.random.default_rng(0)
+    image = rng.random((4, 6, 6), dtype=np.float32)
+    label = (image > 0.5).astype(np.uint8)
+    orientations = [
+        (flips, turns)
+        for flips in [tuple(a for a, f in zip(range(3), b) if f) for b in np.ndindex(2, 2, 2)]
+        for turns in range(4)
+    ]
+
+    def orient(volume, flips, turns):
+        return np.rot90(np.flip(volume, flips), turns, (1, 2))
+
+    distinct = {orient(image, *o).tobytes() for o in orientations}
+    assert len(distinct) == 16  # 32 pairs, each orientation reached twice
+    augment = Augment("rot90")
+    seen = set()
+    for seed in range(64):
+        out_image, out_label = augment(image, label, np.random.default_rng(seed))
+        match = next(o for o in orientations if np.array_equal(out_image, orient(image, *o)))
+        np.testing.assert_array_equal(out_label, orient(label, *match))
+        seen.add(out_image.tobytes())
+    assert len(seen) >= 12
+    with pytest.raises(ValueError, match="square in H-W"):
+        augment(np.zeros((4, 6, 8), np.float32), np.zeros((4, 6, 8), np.uint8), rng)
+
+
 def test_unknown_level_is_refused():
     with pytest.raises(ValueError, match="augmentation level 'strong'"):
         Augment("strong")
@@ -79,3 +108,19 @@ def test_dataset_draws_full_patches(dataset):
     image, label = patches[0]
     assert image.shape == label.shape == (1, 16, 16, 16)
     assert set(label.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_gamma_level_changes_intensities_monotonically_and_keeps_the_label_aligned():
+    rng = np.random.default_rng(1)
+    image = rng.normal(size=(4, 8, 8)).astype(np.float32)
+    label = (image > 0.3).astype(np.uint8)
+    augment = Augment("gamma")
+    changed = 0
+    for seed in range(20):
+        out_image, out_label = augment(image, label, np.random.default_rng(seed))
+        # a monotonic change after a mirroring: the label still marks the brightest voxels
+        threshold = out_image[out_label.astype(bool)].min()
+        assert out_label.sum() == label.sum()
+        np.testing.assert_array_equal(out_label, (out_image >= threshold).astype(np.uint8))
+        changed += not np.allclose(np.sort(out_image.ravel()), np.sort(image.ravel()))
+    assert 0 < changed < 20  # p 0.3

@@ -31,7 +31,7 @@ data_pipeline = load("bench_data_pipeline", "bench/data_pipeline.py")
 gpu_check = load("bench_gpu_check", "bench/gpu_check.py")
 
 
-AUGMENT_MODES = ["off", "flips", "spatial", "basic", "full"]
+AUGMENT_MODES = ["off", "flips", "rot90", "gamma", "spatial", "basic", "full"]
 
 
 def rows(text, first_words):

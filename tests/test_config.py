@@ -58,6 +58,8 @@ def test_missing_yaml_file_is_named(tmp_path):
         (["--resume", "somewhere"], "--resume"),
         (["--depth", "1"], "--depth"),
         (["--patch-size", "4", "32", "32", "--depth", "4"], "--patch-size"),
+        (["--ema-decay", "1.0"], "--ema-decay"),
+        (["--augment-level", "rot90", "--patch-size", "16", "32", "48"], "--patch-size"),
     ],
 )
 def test_invalid_values_name_the_flag(argv, flag):
