@@ -1,6 +1,6 @@
 """Training-patch augmentation, applied identically to a patch and its label.
 
-Five levels (``--augment-level``), geometric and/or intensity changes:
+Six levels (``--augment-level``), geometric and/or intensity changes:
 
 - ``flips``: random flips on the three axes only, for data whose absolute intensity is the label's
   main cue (a calibrated scale, as CT or a template): the intensity changes of ``basic`` move
@@ -8,6 +8,10 @@ Five levels (``--augment-level``), geometric and/or intensity changes:
 - ``rot90``: ``flips`` and a random quarter turn in the H-W plane: all 16 orientations that
   keep the depth axis, for voxels square in-plane (it needs a patch with H == W). Exact, like
   the flips: no resampling, and no cost.
+- ``gamma``: ``flips`` and MONAI's gamma change of the image (p 0.3, gamma 0.7-1.5, the patch's
+  mean and std kept): it moves the mid intensities against the ends, as the grey/CSF edge moves
+  along z in MNI152, without the blur of ``basic``. The planner's level under ``dataset``
+  normalisation (a stronger gamma, p 0.6 and 0.5-2.0, cost 0.01 Dice there).
 - ``spatial``: ``flips`` after MONAI's rotation, scaling and elastic deformation (as in ``full``),
   still with the intensities untouched.
 - ``basic``: random flips on the three axes, brightness/contrast, Gaussian noise and blur.

@@ -41,6 +41,8 @@ class WeightAverage:
         self.decay = decay
         self.updates = 0
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self._targets = _split(self.model)
+        self._source: tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def current_decay(self) -> float:
         return min(self.decay, (1 + self.updates) / (10 + self.updates))
@@ -49,9 +51,11 @@ class WeightAverage:
     def update(self, model: nn.Module) -> None:
         """Fold ``model``'s weights in (after an optimizer step; a skipped step folds in the
         unchanged weights, which only makes the average a little older)."""
-        ours, theirs = _floating(self.model), _floating(model)
-        torch._foreach_lerp_(ours, theirs, 1.0 - self.current_decay())
-        for mine, source in zip(_integral(self.model), _integral(model)):
+        if self._source is None or self._source[0] is not model:  # lists built once per model
+            self._source = (model, *_split(model))
+        _, floating, integral = self._source
+        torch._foreach_lerp_(self._targets[0], floating, 1.0 - self.current_decay())
+        for mine, source in zip(self._targets[1], integral):
             mine.copy_(source)
         self.updates += 1
 
@@ -63,16 +67,15 @@ class WeightAverage:
         self.updates = int(state["updates"])
 
 
-def _tensors(model: nn.Module) -> list[torch.Tensor]:
-    return [*model.parameters(), *model.buffers()]
-
-
-def _floating(model: nn.Module) -> list[torch.Tensor]:
-    return [t.detach() for t in _tensors(model) if t.is_floating_point()]
-
-
-def _integral(model: nn.Module) -> list[torch.Tensor]:
-    return [t for t in _tensors(model) if not t.is_floating_point()]
+def _split(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``model``'s floating-point and integer parameters and buffers, as the tensor objects
+    themselves (not ``.detach()`` aliases, which would keep the old storage if a ``.data`` were
+    reassigned); ``update`` runs under ``no_grad``, so in-place writes to them are allowed."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return (
+        [t for t in tensors if t.is_floating_point()],
+        [t for t in tensors if not t.is_floating_point()],
+    )
 
 
 def inference_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -55,7 +55,7 @@ CUDA_PATCH_VOXELS = 32 * 160 * 160  # the original recipe's patch, per 80 GB-cla
 SMALL_BATCH = 4  # below this many patches per process, BatchNorm statistics are noisy
 EPOCH_TARGET_S = {"cpu": 10.0, "cuda": 60.0}  # an epoch long enough to amortise its overheads
 AUGMENT_MIN_CPU_S = 1800  # shorter CPU budgets train without intensity augmentation
-GEOMETRIC_AUGMENT = "flips"  # the level for data on one intensity scale (README, MNI152)
+ONE_SCALE_AUGMENT = "gamma"  # the level for data on one intensity scale (README, MNI152)
 MIN_EPOCHS = 20  # epochs a budget is cut into at least, so that the milestones mean something
 VAL_SHARE = 0.1  # validation may take this share of the training time
 MILESTONE_FRACTIONS = (0.6, 0.85)
@@ -221,15 +221,22 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
     plan.step_s = step_s
     if plan.values["normalization"] == "dataset":
         # One intensity scale: the band is the cue and means the same in every volume, so the
-        # intensity changes of basic would blur it; mirrored anatomy is what the model lacks.
+        # brightness/contrast/noise/blur of basic would blur it; mirrored anatomy is what the
+        # model lacks, and a mild gamma teaches it that the band's edges can move.
         plan.choose(
             "augment",
             True,
-            "one intensity scale (dataset normalisation): geometric changes only, since the "
-            "model overfits its training anatomy (MNI152: val Dice 0.961 with flips, 0.954 "
-            "without in 300 s; 0.964 and 0.959 (train 0.986) in 900 s)",
+            "one intensity scale (dataset normalisation): flips, since the model overfits its "
+            "training anatomy (MNI152: val Dice 0.961 with, 0.954 without in 300 s), and no "
+            "brightness/contrast/noise/blur, which move voxels across the band (0.945)",
         )
-        plan.choose("augment_level", GEOMETRIC_AUGMENT, "intensities untouched, as above")
+        plan.choose(
+            "augment_level",
+            ONE_SCALE_AUGMENT,
+            "flips and a mild gamma (p 0.3, 0.7-1.5), which moves the band's edges as they move "
+            "along z in MNI152 (EMA val Dice in 900 s: 0.9618 against 0.9589 with flips alone; "
+            "p 0.6, 0.5-2.0: 0.950)",
+        )
     elif cpu and budget_s < AUGMENT_MIN_CPU_S:
         plan.choose(
             "augment",

@@ -45,6 +45,23 @@ def test_the_average_follows_the_warmed_up_decay_of_every_tensor():
     assert not any(p.requires_grad for p in average.model.parameters())
 
 
+def test_the_average_reads_a_reassigned_data_tensor_and_a_new_model():
+    # update() keeps its lists of tensors between steps; they must still see the weights when a
+    # .data is reassigned (as module.to() may do) and when it is handed another model
+    model = Tiny()
+    average = WeightAverage(model, decay=0.5)  # warmup: the first update takes 0.9 of the model
+    with torch.no_grad():
+        model.linear.weight.data = torch.full_like(model.linear.weight, 10.0)
+    average.update(model)
+    start = average.model.linear.weight.clone()
+    assert torch.all(average.model.linear.weight > 8.0)
+    other = Tiny()
+    with torch.no_grad():
+        other.linear.weight.fill_(-10.0)
+    average.update(other)  # second update: decay 2/11
+    assert torch.allclose(average.model.linear.weight, start * 2 / 11 - 10.0 * 9 / 11)
+
+
 def test_the_average_refuses_half_weights_and_bad_decays():
     with pytest.raises(ValueError, match=r"float16.*O2/O3"):
         WeightAverage(Tiny().half(), 0.99)

@@ -65,9 +65,9 @@ def test_cpu_plan_for_slabs():
     assert v["epochs"] * epoch_s == pytest.approx(300, rel=0.1)
     assert v["milestones"] == [round(0.6 * v["epochs"]), round(0.85 * v["epochs"])]
     assert v["val_every"] >= 1
-    # one intensity scale: flips only, at every budget (intensity changes would blur the band)
-    assert v["augment"] is True and v["augment_level"] == "flips"
-    assert make_plan(SLABS, CPU, budget_s=3600).values["augment_level"] == "flips"
+    # one intensity scale: flips and a mild gamma at every budget, never basic's intensity changes
+    assert v["augment"] is True and v["augment_level"] == "gamma"
+    assert make_plan(SLABS, CPU, budget_s=3600).values["augment_level"] == "gamma"
     assert set(plan.reasons) == set(v) and all(plan.reasons.values())
 
 
