@@ -9,16 +9,21 @@ once, before anything is built:
    half dtype by default that it cannot compute natively (CPU bf16 autocast without AVX512-BF16
    or AMX is emulated, measured 62x slower than fp32 on an AVX2 EPYC), nor one that a known
    library bug computes wrongly. Settings the user gave are kept as given.
-2. **A kernel check** for every mixed-precision candidate (``app.kernel_check``): one training
+2. **A one-convolution screen** on CPU: each precision times one small 3x3x3 convolution and
+   its norm, forward and backward (milliseconds). A precision more than ``TOO_SLOW`` times
+   slower than the fastest is left out before anything costly runs: oneDNN's fp16 on CPUs with
+   AVX512-FP16 but no AMX-FP16 falls back to reference kernels (measured 180x slower than fp32
+   on a Sapphire Rapids class Xeon), and a full training step there takes tens of seconds.
+3. **A kernel check** for every mixed-precision candidate (``app.kernel_check``): one training
    pass at the configured model, patch and batch size, with each convolution's output and weight
    gradient recomputed in float32 from the same inputs. A candidate whose kernels are wrong at
    this shape is left out, with the layer named (oneDNN's bf16 weight gradient on Zen 4 is
    garbage for inputs 2 voxels deep).
-3. **A measured probe**, when more than one candidate is left: every candidate runs the real
+4. **A measured probe**, when more than one candidate is left: every candidate runs the real
    training step (``app.steps.SyntheticStepper``: forward, backward and optimizer step at the
    configured model, patch and batch size) for a few seconds in all, interleaved, and the fastest
    wins; within 5% of it, the higher precision wins (fp32 over bf16 over fp16).
-4. **A cache** per device, torch version, thread count, processes per node and model shape, in
+5. **A cache** per device, torch version, thread count, processes per node and model shape, in
    ``--auto-cache`` (one JSON file per decision; deleting the folder re-measures), so a later run
    starts at once. ``--no-auto-probe`` decides from the rules alone.
 
@@ -61,6 +66,7 @@ TOO_SLOW = 10.0  # a candidate this much slower than the fastest in warm-up is n
 PROBE_TARGET_S = 0.25  # timed steps per candidate and round: about this long
 PROBE_BUDGET_S = 10.0  # two timed rounds when they fit in this, else one
 MAX_PROBE_STEPS = 8
+SCREEN_INPUT = (2, 16, 8, 24, 24)  # batch, channels, D, H, W: a few ms at fp32 on one core
 CACHE_VERSION = 2  # 2: decisions include the kernel check
 EMULATED_BF16 = "emulated, measured up to 62x slower than fp32"
 # cuDNN 9.10-9.14 returns wrong results for some bf16 3D convolutions (pytorch#163539; 9.15 fixes)
@@ -246,7 +252,11 @@ def probe(
     warm: dict[Candidate, float] = {}
     rng_devices = [env.device] if env.device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices):
+        slow = screen(cfg, cands, env.device, clock)
         for cand in cands:
+            if cand.precision in slow:
+                results[cand.label] = {"ms": None, "note": slow[cand.precision]}
+                continue
             try:
                 wrong = kernel_problem(cand, cfg, env.device)
                 if wrong:
@@ -292,6 +302,45 @@ def probe(
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
     return {c.label: results[c.label] for c in cands}
+
+
+def screen(
+    cfg: Config,
+    cands: list[Candidate],
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, str]:
+    """``{precision: why it is left out}`` for each precision far slower than the fastest at
+    one small convolution and norm, forward and backward (CPU only: on CUDA the first calls
+    time cuDNN's own benchmarking, and no native dtype there falls back to reference code)."""
+    from app.model import norm_layer
+
+    precisions = {c.precision: c for c in cands}
+    if device.type != "cpu" or cfg.amp_backend != "native" or len(precisions) < 2:
+        return {}
+    layer = torch.nn.Sequential(
+        torch.nn.Conv3d(SCREEN_INPUT[1], SCREEN_INPUT[1], 3, padding=1),
+        norm_layer(cfg.norm, SCREEN_INPUT[1]),
+    )
+    x = torch.randn(SCREEN_INPUT).requires_grad_()
+    seconds = {}
+    for name, cand in precisions.items():
+        dtype = getattr(torch, cand.amp_dtype)
+        runs = []
+        for _ in range(2):  # the first call also creates the kernels
+            started = clock()
+            with torch.autocast("cpu", dtype=dtype, enabled=cand.opt_level != "O0"):
+                out = layer(x)
+            out.float().sum().backward()
+            runs.append(clock() - started)
+        seconds[name] = runs[-1]
+    fastest_name = min(seconds, key=seconds.get)
+    fastest = seconds[fastest_name]
+    return {
+        name: f"{s / fastest:.0f}x slower than {fastest_name} at one convolution"
+        for name, s in seconds.items()
+        if s > TOO_SLOW * fastest
+    }
 
 
 def kernel_problem(cand: Candidate, cfg: Config, device: torch.device) -> str:

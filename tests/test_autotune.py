@@ -4,6 +4,7 @@ pick, the cache, the decision broadcast to 2 gloo ranks, and what a run records.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 from pathlib import Path
@@ -141,6 +142,29 @@ def test_the_probe_times_the_real_step_of_every_candidate():
 
 
 # ----------------------------------------------------------------------------- cache
+def test_the_screen_leaves_out_a_precision_far_slower_at_one_convolution():
+    fp32, fp16 = Candidate("O0", "float32", "contiguous"), Candidate("O1", "float16", "contiguous")
+    # clock readings: two runs each, start and end; fp32 takes 1 ms, fp16 180 ms
+    readings = itertools.accumulate([0, 0.001, 0, 0.001, 0, 0.5, 0, 0.18])
+    slow = autotune.screen(tiny(), [fp32, fp16], CPU, clock=lambda: next(readings))
+    assert slow == {"fp16 autocast": "180x slower than fp32 at one convolution"}
+    readings = itertools.accumulate([0, 0.001, 0, 0.001, 0, 0.5, 0, 0.009])
+    assert autotune.screen(tiny(), [fp32, fp16], CPU, clock=lambda: next(readings)) == {}
+    one_precision = [fp32, Candidate("O0", "float32", "channels_last")]
+    assert autotune.screen(tiny(), one_precision, CPU, clock=pytest.fail) == {}
+
+
+def test_the_probe_builds_nothing_for_a_screened_out_precision(monkeypatch):
+    fp32, fp16 = Candidate("O0", "float32", "contiguous"), Candidate("O1", "float16", "contiguous")
+    monkeypatch.setattr(autotune, "screen", lambda *a: {"fp16 autocast": "180x slower"})
+    monkeypatch.setattr(autotune, "check_convolutions", lambda *a: pytest.fail("checked fp16"))
+    timings = autotune.probe(tiny(), ENV, [fp32, fp16])
+    assert timings["fp32, contiguous"]["ms"] > 0
+    assert timings["fp16 autocast, contiguous"] == {"ms": None, "note": "180x slower"}
+    choice, reason = autotune.pick([fp32, fp16], timings)
+    assert choice == fp32 and "fp16 autocast, contiguous not timed (180x slower)" in reason
+
+
 def fake_probe(ms_by_format):
     """A probe that reports ``ms_by_format`` for fp32 and twice that for a half dtype."""
     calls = []
