@@ -48,6 +48,10 @@ REFERENCE_PATCH = (16, 64, 64)  # the patch the device's step is measured at
 # (README) more steps beat larger patches: 0.1 s (16x64x48) reached val Dice 0.954, 0.2 s
 # (16x96x80) 0.940.
 CPU_STEP_TARGET_S = 0.1
+# A CPU faster than that spends its speed on more steps, not on larger patches: on MNI152 in
+# 300 s, on one Intel AMX CPU (README), 16x72x56 patches at 166 samples per volume reached val
+# Dice 0.963, 16x96x80 (a 0.1 s step there) at 89 only 0.954.
+CPU_MAX_PATCH_VOXELS = 70_000  # 16x72x56 on MNI152 slabs, as measured
 CPU_BATCH, CUDA_BATCH = 2, 8
 CPU_F_MAPS, CUDA_F_MAPS = 8, 32
 CPU_LR = 3e-3
@@ -62,9 +66,10 @@ MILESTONE_FRACTIONS = (0.6, 0.85)
 NORMALISATION_MARGIN = 0.01  # band Dice a normalisation must gain over the per-volume z-score
 MAX_DEPTH = 4
 MIN_BOTTOM = 4  # voxels per axis left at the bottom of the U-Net (nnU-Net's minimum edge)
-# A training epoch's time per step over the probe's (data loading, worker start-up, progress):
-# 1.35 on the MNI152 runs of README "Quality on real data", 2 processes on 2 cores.
-STEP_OVERHEAD = 1.3
+# A training epoch's time per step over the probe's (data loading, worker start-up, progress),
+# 2 processes on 2 cores, on the MNI152 runs of README "Quality on real data": 1.43 on an AMD
+# EPYC Zen 4; 1.42-1.52 on an Intel Xeon with AMX (a 1.3 planned 10 s epochs that took 11-12 s).
+STEP_OVERHEAD = 1.45
 STEP_TOLERANCE = (0.8, 1.25)  # measured / planned step ratio that leaves the schedule as it is
 
 
@@ -189,6 +194,9 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
             f"a {device.step_s:.2f} s step at {'x'.join(map(str, REFERENCE_PATCH))} measured "
             f"here: about {voxels:,.0f} voxels per patch for a {CPU_STEP_TARGET_S} s step"
         )
+        if voxels > CPU_MAX_PATCH_VOXELS:
+            voxels = CPU_MAX_PATCH_VOXELS
+            why += f", capped at {voxels:,} (more steps beat larger patches on CPU, README)"
     else:
         voxels = CUDA_PATCH_VOXELS * min(1.0, device.memory_gb / 80.0)
         why = f"{device.memory_gb:.0f} GB of GPU memory: up to {voxels:,.0f} voxels per patch"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ import yaml
 
 from app.config import Config, load_config_and_given
 from app.plan import (
+    CPU_MAX_PATCH_VOXELS,
     REFERENCE_PATCH,
     STEP_OVERHEAD,
     DataFingerprint,
@@ -50,11 +52,18 @@ def test_cpu_plan_for_slabs():
     v = plan.values
     assert v["normalization"] == "dataset"  # 0.965 vs 0.815: per-volume z-scores break the band
     assert v["batch_size"] == 2 and v["norm"] == "none" and v["f_maps"] == 8
-    # 0.05 s at 16x64x64 measured, 0.1 s wanted: about 2x the reference voxels, and no larger
-    # than the volumes (19 -> 24 deep at most: a multiple of 8)
+    # 0.05 s at 16x64x64 measured, 0.1 s wanted: 2x the reference voxels, capped (more steps
+    # beat larger patches on CPU), and no larger than the volumes (19 -> 24 deep at most)
     assert v["patch_size"][0] <= 24 and all(p % 8 == 0 for p in v["patch_size"])
     voxels = math.prod(v["patch_size"])
-    assert 0.6 * 2 * math.prod(REFERENCE_PATCH) <= voxels <= 2 * math.prod(REFERENCE_PATCH)
+    assert 0.6 * CPU_MAX_PATCH_VOXELS <= voxels <= CPU_MAX_PATCH_VOXELS
+    assert "capped" in plan.reasons["patch_size"]
+    # a CPU 4x slower gets half the reference voxels, for the same 0.1 s step
+    slow = make_plan(SLABS, dataclasses.replace(CPU, step_s=0.2), budget_s=300)
+    slow_voxels = math.prod(slow.values["patch_size"])
+    assert 0.6 * math.prod(REFERENCE_PATCH) / 2 <= slow_voxels <= math.prod(REFERENCE_PATCH) / 2
+    assert "capped" not in slow.reasons["patch_size"]
+    assert slow.values["samples_per_volume"] < 0.6 * v["samples_per_volume"]  # about half the steps
     # pooled while every axis keeps 4 voxels: 16 deep -> 3 levels (4 would leave 2, where
     # oneDNN's bf16 weight gradient fails on Zen 4)
     assert 2 ** (v["depth"] - 1) * 4 <= min(v["patch_size"]) < 2 ** v["depth"] * 4

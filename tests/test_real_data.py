@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from app.data import load_split
-from app.volume_io import read_volume
+from app.floor import Floor, Floors
+from app.volume_io import VolumeMeta, read_volume, write_volume
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,3 +75,38 @@ def test_progress_counts_training_time_and_first_beat():
     progress.add({"epoch": 4, "epoch_time_s": 3.0, "dice": 0.97})  # an older trainer's record
     assert progress.train_s == pytest.approx(9.0) and progress.counts_validation
     assert progress.first_beat[1] == 3
+
+
+def test_the_plot_shows_the_run_whole_and_around_the_floor(tmp_path):
+    floors = Floors(
+        Floor("threshold", 0.5, None, 0.84, 0.69),
+        Floor("band", 0.47, 0.76, 0.96, 0.9535),
+        Floor("otsu", 0.34, None, 0.81, 0.67),
+    )
+    rows = [(10.0, 1, 0.67), (20.0, 2, None), (30.0, 3, 0.958)]  # epoch 2 was not validated
+    path = tmp_path / "plots" / "curve.png"
+    real_data.plot_curve(path, rows, floors, "raw", 300.0, "a title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Image.open(path).size[0] > 1.5 * Image.open(path).size[1]  # two panels side by side
+
+
+def test_plot_draws_a_run_again_up_to_its_budget(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    for split in ("train_patches", "val_patches"):
+        for name in ("a", "b"):
+            image = rng.random((4, 8, 8)).astype(np.float32)
+            for kind, array in (("images", image), ("labels", (image > 0.6).astype(np.uint8))):
+                path = tmp_path / "data" / split / kind / f"{name}.npy"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_volume(path, array, VolumeMeta(".npy"))
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"epoch": e, "train_time_s": 10.0, "dice": 0.5 + e / 10} for e in range(1, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    png = tmp_path / "curve.png"
+    argv = ["plot", "--run", str(run), "--data", str(tmp_path / "data"), "--plot", str(png)]
+    assert real_data.main([*argv, "--budget-s", "25"]) == 0
+    assert "3 epochs, 30.0 s of training" in capsys.readouterr().out  # stops once 25 s is spent
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert real_data.main([*argv[:2], str(tmp_path / "none"), *argv[3:]]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
