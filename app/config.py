@@ -80,6 +80,12 @@ class Config:
         "do not depend on the batch; or none (small batches; see README)",
         "model",
     )
+    block: Literal["plain", "residual"] = _opt(
+        "plain",
+        "encoder level: plain (two convolutions) or residual (the same two with a shortcut, as "
+        "nnU-Net's residual-encoder U-Net); the decoder is plain either way",
+        "model",
+    )
     memory_format: Literal["auto", "channels_last", "contiguous"] = _opt(
         "auto",
         "weights and activations in channels_last_3d or contiguous layout; auto = measured on "

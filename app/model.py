@@ -9,6 +9,7 @@ from torch import nn
 
 NORMS = ("batch", "instance", "group", "none")
 GROUP_CHANNELS = 8  # channels per GroupNorm group: our narrowest level has 8
+BLOCKS = ("plain", "residual")
 
 
 def norm_layer(norm: str, channels: int) -> nn.Module:
@@ -49,6 +50,48 @@ class DoubleConv(nn.Sequential):
         )
 
 
+class ResidualBlock(nn.Module):
+    """DoubleConv's two convolutions as the branch of a residual block: ReLU(branch(x) +
+    shortcut(x)), with a 1x1x1 convolution (and norm) as the shortcut where the width changes
+    (He et al. 2016). One per encoder level, as in nnU-Net's residual-encoder U-Net: the
+    shortcut gives the deeper levels a direct gradient path, the decoder stays plain.
+    """
+
+    def __init__(
+        self, in_channels: int, out_channels: int, norm: str = "batch", stem: bool = False
+    ):
+        super().__init__()
+        bias = norm == "none"
+        self.branch = nn.Sequential(
+            nn.Conv3d(in_channels, out_channels, 3, padding=1, bias=stem or bias),
+            nn.Identity() if stem else norm_layer(norm, out_channels),
+            nn.ReLU(inplace=True),
+            nn.Conv3d(out_channels, out_channels, 3, padding=1, bias=bias),
+            norm_layer(norm, out_channels),
+        )
+        self.shortcut = (
+            nn.Identity()
+            if in_channels == out_channels
+            else nn.Sequential(
+                nn.Conv3d(in_channels, out_channels, 1, bias=stem or bias),
+                nn.Identity() if stem else norm_layer(norm, out_channels),
+            )
+        )
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.branch(x) + self.shortcut(x))
+
+
+def encoder_block(block: str):
+    """The encoder level's module class for ``--block``."""
+    if block == "plain":
+        return DoubleConv
+    if block == "residual":
+        return ResidualBlock
+    raise ValueError(f"unknown block {block!r}; choose one of {', '.join(BLOCKS)}")
+
+
 class Up(nn.Module):
     """Transposed-conv upsampling to the skip connection's exact size, concat, DoubleConv.
 
@@ -67,7 +110,8 @@ class Up(nn.Module):
 
 
 class UNet3d(nn.Module):
-    """Encoder of ``depth`` levels (``f_maps * 2**i`` channels), decoder with skip connections.
+    """Encoder of ``depth`` levels (``f_maps * 2**i`` channels; ``block`` plain or residual),
+    decoder with skip connections.
 
     Returns logits with the input's spatial shape; the sigmoid lives in the loss, metrics and
     prediction, where it is computed in float32.
@@ -80,8 +124,10 @@ class UNet3d(nn.Module):
         f_maps: int = 32,
         depth: int = 4,
         norm: str = "batch",
+        block: str = "plain",
     ):
         super().__init__()
+        encoder = encoder_block(block)
         if depth < 2:
             raise ValueError(f"depth must be at least 2, got {depth}")
         widths = [f_maps * 2**i for i in range(depth)]
@@ -92,8 +138,8 @@ class UNet3d(nn.Module):
         # after 110 s of training. BatchNorm keeps it: at inference its running statistics are
         # one affine map for every volume.
         stem = norm != "batch"
-        self.encoders = nn.ModuleList([DoubleConv(n_channels, widths[0], norm, stem)])
-        self.encoders.extend(DoubleConv(a, b, norm) for a, b in itertools.pairwise(widths))
+        self.encoders = nn.ModuleList([encoder(n_channels, widths[0], norm, stem)])
+        self.encoders.extend(encoder(a, b, norm) for a, b in itertools.pairwise(widths))
         self.decoders = nn.ModuleList(Up(a, b, norm) for a, b in zip(widths[::-1], widths[-2::-1]))
         self.pool = nn.MaxPool3d(2)
         self.head = nn.Conv3d(widths[0], n_classes, kernel_size=1)
@@ -183,7 +229,7 @@ def resolve_memory_format(setting: str, device: torch.device) -> str:
 
 def build_model(cfg, device: torch.device) -> UNet3d:
     """The configured UNet3d on ``device``, in the configured memory format."""
-    model = UNet3d(1, 1, cfg.f_maps, cfg.depth, cfg.norm).to(device)
+    model = UNet3d(1, 1, cfg.f_maps, cfg.depth, cfg.norm, cfg.block).to(device)
     if resolve_memory_format(cfg.memory_format, device) == "channels_last":
         use_channels_last(model)
     return model

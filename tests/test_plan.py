@@ -67,6 +67,7 @@ def test_cpu_plan_for_slabs():
     # pooled while every axis keeps 4 voxels: 16 deep -> 3 levels (4 would leave 2, where
     # oneDNN's bf16 weight gradient fails on Zen 4)
     assert 2 ** (v["depth"] - 1) * 4 <= min(v["patch_size"]) < 2 ** v["depth"] * 4
+    assert v["block"] == "residual"  # measured ahead of plain on these slabs
     # the epochs fill the budget, the milestones are fractions of them
     scaled = CPU.step_s * voxels / math.prod(REFERENCE_PATCH)
     assert plan.step_s == pytest.approx(scaled * STEP_OVERHEAD)
@@ -86,6 +87,7 @@ def test_gpu_plan_for_ct():
     assert v["normalization"] == "zscore"  # dataset gains less than the margin
     assert v["batch_size"] == 8 and v["norm"] == "batch" and v["f_maps"] == 32
     assert math.prod(v["patch_size"]) <= 32 * 160 * 160 and v["depth"] == 4
+    assert v["block"] == "residual"
     assert v["patch_size"][0] <= 80  # never deeper than the volumes (74, rounded up to 8)
     assert v["epochs"] >= 1 and v["milestones"][-1] <= v["epochs"]
     assert v["augment"] is True and v["augment_level"] == "basic"

@@ -12,7 +12,7 @@ import yaml
 
 from app.data import Normalization, load_train_val
 from app.floor import floors_from_volumes
-from app.model import UNet3d
+from app.model import DoubleConv, ResidualBlock, UNet3d
 from app.predict import load_predictor
 from app.train import main
 from app.validation import ValidationCadence
@@ -66,6 +66,54 @@ def test_norm_layers(norm):
     assert out.shape == (2, 1, 8, 16, 16)
     with pytest.raises(ValueError, match="unknown norm"):
         UNet3d(1, 1, 8, 3, norm="layer")
+
+
+@pytest.mark.parametrize("norm", ["batch", "none"])
+def test_residual_encoder_adds_its_shortcut(norm):
+    model = UNet3d(1, 1, f_maps=4, depth=3, norm=norm, block="residual").eval()
+    assert all(isinstance(e, ResidualBlock) for e in model.encoders)
+    assert all(isinstance(d.conv, DoubleConv) for d in model.decoders)  # decoder stays plain
+    block = model.encoders[1]
+    x = torch.randn(2, 4, 8, 8, 8)
+    with torch.no_grad():
+        # independently: ReLU(conv-norm-ReLU-conv-norm (x) + norm(conv1x1(x)))
+        branch = x
+        for layer in block.branch:
+            branch = layer(branch)
+        projected = block.shortcut[1](
+            torch.nn.functional.conv3d(x, block.shortcut[0].weight, block.shortcut[0].bias)
+        )
+        torch.testing.assert_close(block(x), torch.relu(branch + projected))
+        # with the branch's last convolution silenced, only the shortcut is left
+        block.branch[3].weight.zero_()
+        if block.branch[3].bias is not None:
+            block.branch[3].bias.zero_()
+        last_norm = block.branch[4]
+        silenced = last_norm(torch.zeros_like(projected))
+        torch.testing.assert_close(block(x), torch.relu(silenced + projected))
+        assert model(torch.randn(1, 1, 8, 12, 12)).shape == (1, 1, 8, 12, 12)
+    with pytest.raises(ValueError, match="unknown block"):
+        UNet3d(1, 1, 4, 3, block="dense")
+
+
+def test_residual_encoder_trains_predicts_and_old_checkpoints_stay_plain(dataset, tmp_path):
+    from conftest import train_tiny
+
+    run_dir = train_tiny(dataset, tmp_path / "res", "--block", "residual", epochs=1)
+    predictor = load_predictor(run_dir / "checkpoints/last.pt", torch.device("cpu"))
+    assert isinstance(predictor.model.encoders[0], ResidualBlock)
+    # a checkpoint written before --block existed has no such key: it is a plain U-Net
+    plain = train_tiny(dataset, tmp_path / "plain", epochs=1) / "checkpoints/last.pt"
+    state = torch.load(plain, weights_only=True)
+    del state["config"]["block"]
+    torch.save(state, tmp_path / "old.pt")
+    old = load_predictor(tmp_path / "old.pt", torch.device("cpu"))
+    assert isinstance(old.model.encoders[0], DoubleConv)
+    # and weights of the other block do not load silently
+    state["config"]["block"] = "residual"
+    torch.save(state, tmp_path / "mismatch.pt")
+    with pytest.raises(Exception, match="block=residual"):
+        load_predictor(tmp_path / "mismatch.pt", torch.device("cpu"))
 
 
 def test_instance_norm_trains_and_resumes(dataset, tmp_path, tiny_args):
