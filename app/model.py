@@ -61,19 +61,13 @@ class ResidualBlock(nn.Module):
         self, in_channels: int, out_channels: int, norm: str = "batch", stem: bool = False
     ):
         super().__init__()
-        bias = norm == "none"
-        self.branch = nn.Sequential(
-            nn.Conv3d(in_channels, out_channels, 3, padding=1, bias=stem or bias),
-            nn.Identity() if stem else norm_layer(norm, out_channels),
-            nn.ReLU(inplace=True),
-            nn.Conv3d(out_channels, out_channels, 3, padding=1, bias=bias),
-            norm_layer(norm, out_channels),
-        )
+        # DoubleConv without its last ReLU, which comes after the sum
+        self.branch = nn.Sequential(*list(DoubleConv(in_channels, out_channels, norm, stem))[:-1])
         self.shortcut = (
             nn.Identity()
             if in_channels == out_channels
             else nn.Sequential(
-                nn.Conv3d(in_channels, out_channels, 1, bias=stem or bias),
+                nn.Conv3d(in_channels, out_channels, 1, bias=stem or norm == "none"),
                 nn.Identity() if stem else norm_layer(norm, out_channels),
             )
         )

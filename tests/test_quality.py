@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from app.checkpoint import CheckpointError
 from app.data import Normalization, load_train_val
 from app.floor import floors_from_volumes
 from app.model import DoubleConv, ResidualBlock, UNet3d
@@ -112,7 +113,7 @@ def test_residual_encoder_trains_predicts_and_old_checkpoints_stay_plain(dataset
     # and weights of the other block do not load silently
     state["config"]["block"] = "residual"
     torch.save(state, tmp_path / "mismatch.pt")
-    with pytest.raises(Exception, match="block=residual"):
+    with pytest.raises(CheckpointError, match="block=residual"):
         load_predictor(tmp_path / "mismatch.pt", torch.device("cpu"))
 
 
