@@ -72,6 +72,11 @@ MIN_BOTTOM = 4  # voxels per axis left at the bottom of the U-Net (nnU-Net's min
 # EPYC Zen 4; 1.42-1.52 on an Intel Xeon with AMX (a 1.3 planned 10 s epochs that took 11-12 s).
 STEP_OVERHEAD = 1.45
 STEP_TOLERANCE = (0.8, 1.25)  # measured / planned step ratio that leaves the schedule as it is
+# STEP_OVERHEAD is not every machine's: 1.2 on another Zen 4, whose 10 s epochs took 7.5-8.8 s
+# and left 10-25% of the budget unused. So the trainer times a real epoch, the first warm one
+# (the first also pays for cuDNN's algorithm search), and refits the epochs left to the budget.
+REFIT_EPOCH = 2
+EPOCH_TOLERANCE = (0.95, 1.05)  # measured / budgeted epoch ratio that leaves the epochs as they are
 
 
 @dataclass
@@ -123,6 +128,31 @@ class Plan:
             f"probe measured {measured_s / STEP_OVERHEAD:.2f} s/step",
         )
         self.step_s = measured_s
+        return ratio
+
+    def fit_to_epoch(
+        self, epoch_s: float, epochs_done: int, budget_s: float, given: frozenset[str]
+    ) -> float | None:
+        """Rescale ``samples_per_volume`` so that the epochs left fill what is left of
+        ``budget_s``, the earlier epochs counted as long as ``epoch_s``, the training time of
+        the last one; returns the ratio applied, or ``None``. A given ``epochs`` or
+        ``samples_per_volume`` is the user's schedule, not the budget's, and stays."""
+        epochs_left = self.values["epochs"] - epochs_done
+        if given & {"epochs", "samples_per_volume"} or epochs_left < 1 or epoch_s <= 0:
+            return None
+        budgeted_s = (budget_s - epochs_done * epoch_s) / epochs_left
+        ratio = epoch_s / budgeted_s if budgeted_s > 0 else math.inf
+        old = self.values["samples_per_volume"]
+        per_volume = max(1, round(old / ratio))
+        if EPOCH_TOLERANCE[0] <= ratio <= EPOCH_TOLERANCE[1] or per_volume == old:
+            return None
+        self.choose(
+            "samples_per_volume",
+            per_volume,
+            f"{self.reasons['samples_per_volume']}; refitted after epoch {epochs_done}, which "
+            f"trained in {epoch_s:.1f} s: {old} -> {per_volume}, so that {epochs_left} epochs "
+            f"of about {max(budgeted_s, 0.0):.1f} s fill the {budget_s:g} s",
+        )
         return ratio
 
     def choose(self, name: str, value: Any, reason: str) -> Any:

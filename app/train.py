@@ -49,7 +49,7 @@ from app.ema import WeightAverage, inference_weights
 from app.floor import Floor, floors_from_volumes
 from app.losses import BCEDiceLoss
 from app.model import build_model
-from app.plan import Plan, apply_plan, plan_for
+from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
 from app.precision import Precision, build_precision
 from app.steps import NonFiniteError, build_optimizer, check_steps_taken, train_one_epoch
 from app.tracking import make_tracker
@@ -254,6 +254,35 @@ def fit_plan_to_step(
     return apply_plan(settings, given, plan)
 
 
+def patch_loader(
+    train_set: PatchDataset, cfg: Config, env: DistEnv
+) -> tuple[DistributedSampler, DataLoader]:
+    sampler = DistributedSampler(
+        train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed
+    )  # same shuffle on every rank
+    loader = DataLoader(
+        train_set,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=env.device.type == "cuda",
+    )
+    return sampler, loader
+
+
+def refit_plan_to_epoch(
+    plan: Plan, settings: Config, given: frozenset[str], train_time: float, epoch: int
+) -> Config | None:
+    """``settings`` with the plan's samples per volume refitted so that the epochs left fill
+    ``--plan-budget-s`` (rank 0's epoch time, so that every rank draws the same patches), or
+    ``None`` when the epochs already fit."""
+    train_time = broadcast_object(train_time)
+    if plan.fit_to_epoch(train_time, epoch, settings.plan_budget_s, given) is None:
+        return None
+    log.info("--plan auto: samples_per_volume %s", plan.reasons["samples_per_volume"])
+    return apply_plan(settings, given, plan)
+
+
 def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Train (or, with ``--eval-only``, evaluate) under ``settings``, whose ``auto`` fields are
     resolved here for this machine (``app.autotune``); ``given``: the settings the user set,
@@ -296,16 +325,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
         cfg.seed,
         cfg.augment_level,
     )
-    sampler = DistributedSampler(
-        train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed
-    )  # same shuffle on every rank
-    loader = DataLoader(
-        train_set,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
-        num_workers=cfg.num_workers,
-        pin_memory=env.device.type == "cuda",
-    )
+    sampler, loader = patch_loader(train_set, cfg, env)
 
     model = build_model(cfg, env.device)
     optimizer = build_optimizer(model, cfg, env, precision.backend)
@@ -344,9 +364,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     floor = classical_floor(train_volumes, val_volumes) if env.is_primary else None
     tracker = make_tracker(cfg, env, start_epoch)
     if env.is_primary:
-        resolved = decision.to_dict()
-        if plan is not None:
-            resolved["plan"] = plan.reasons
+        resolved = decision.to_dict() | ({"plan": plan.reasons} if plan else {})
         save_config(settings, cfg.run_dir / "config.yaml", resolved=resolved)
         for path in remove_stale_temporaries(checkpoint_dir(cfg.run_dir)):
             log.info("removed %s, left by a checkpoint write that was interrupted", path)
@@ -398,6 +416,15 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             world_size=env.world_size,
         )
         tracker.log_epoch(record, sample)
+        if plan is not None and epoch == REFIT_EPOCH:
+            refitted = refit_plan_to_epoch(plan, settings, given, train_time, epoch)
+            if refitted is not None:  # the patches of the epochs left; nothing else changes
+                settings = refitted
+                cfg = dataclasses.replace(cfg, samples_per_volume=settings.samples_per_volume)
+                train_set.samples_per_volume = cfg.samples_per_volume
+                sampler, loader = patch_loader(train_set, cfg, env)
+                if env.is_primary:
+                    save_config(settings, cfg.run_dir / "config.yaml", resolved=resolved)
 
         improved = record.get("dice", -1.0) > best_dice
         best_dice = max(best_dice, record.get("dice", -1.0))

@@ -200,3 +200,20 @@ def test_depth_pools_while_every_axis_keeps_4_voxels():
     assert depth_for((32, 160, 160)) == 4  # the original recipe's depth
     assert depth_for((64, 256, 256)) == 4  # no deeper than MAX_DEPTH
     assert depth_for((8, 64, 64)) == 2  # at least one pooling
+
+
+def test_plan_refits_the_epochs_left_to_the_budget():
+    plan = make_plan(SLABS, CPU, budget_s=300)
+    epochs, per_volume = plan.values["epochs"], plan.values["samples_per_volume"]
+    budgeted = 300 / epochs  # what every epoch may take
+    assert plan.fit_to_epoch(budgeted * 1.03, 2, 300, frozenset()) is None  # close enough
+    for given in ({"samples_per_volume"}, {"epochs"}):  # the user's schedule, not the budget's
+        assert plan.fit_to_epoch(budgeted * 0.5, 2, 300, frozenset(given)) is None
+    # epochs of 0.8 of their share: the 2 done took 1.6 shares, the rest take (epochs - 1.6)
+    ratio = plan.fit_to_epoch(budgeted * 0.8, 2, 300, frozenset())
+    assert ratio == pytest.approx(0.8 * (epochs - 2) / (epochs - 1.6))
+    assert plan.values["samples_per_volume"] == round(per_volume / ratio) > per_volume
+    assert "refitted after epoch 2" in plan.reasons["samples_per_volume"]
+    # a budget already spent leaves the fewest patches the schedule can take
+    assert plan.fit_to_epoch(300.0, 2, 300, frozenset()) == math.inf
+    assert plan.values["samples_per_volume"] == 1

@@ -14,6 +14,7 @@ from app.checkpoint import CheckpointError
 from app.data import Normalization, load_train_val
 from app.floor import floors_from_volumes
 from app.model import DoubleConv, ResidualBlock, UNet3d
+from app.plan import Plan
 from app.predict import load_predictor
 from app.train import main
 from app.validation import ValidationCadence
@@ -159,7 +160,15 @@ def test_auto_cadence_validates_first_last_and_within_its_share(dataset, tmp_pat
     assert best["best_dice"] == max(r["dice"] for r in rows if "dice" in r)
 
 
-def test_plan_auto_in_the_trainer_keeps_given_settings(dataset, tmp_path):
+def test_plan_auto_in_the_trainer_keeps_given_settings(dataset, tmp_path, monkeypatch):
+    # epoch 2 timed at half what the budget leaves it: the epochs left get twice the patches
+    fit_to_epoch = Plan.fit_to_epoch
+
+    def half_the_budgeted_time(plan, epoch_s, done, budget_s, given):
+        left = plan.values["epochs"] - done
+        return fit_to_epoch(plan, 0.5 * budget_s / (left + 0.5 * done), done, budget_s, given)
+
+    monkeypatch.setattr(Plan, "fit_to_epoch", half_the_budgeted_time)
     run_dir = tmp_path / "run"
     argv = ["--data-root", dataset, "--output-dir", run_dir, "--device", "cpu"]
     argv += ["--plan", "auto", "--plan-budget-s", "3", "--f-maps", "4", "--num-workers", "0"]
@@ -169,9 +178,17 @@ def test_plan_auto_in_the_trainer_keeps_given_settings(dataset, tmp_path):
     assert saved["f_maps"] == 4  # given: kept
     assert saved["norm"] == "none" and saved["batch_size"] == 2  # planned for a CPU
     assert set(saved["resolved"]["plan"]) >= {"patch_size", "epochs", "val_every"}
-    assert records(run_dir)[-1]["epoch"] == saved["epochs"] >= 1
+    rows = records(run_dir)
+    assert rows[-1]["epoch"] == saved["epochs"] >= 3
     state = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
     assert state["plan"]["values"]["patch_size"] == saved["patch_size"]
+    # refitted after epoch 2, in config.yaml, the checkpoint's plan and the patches drawn
+    assert "refitted after epoch 2" in saved["resolved"]["plan"]["samples_per_volume"]
+    assert state["plan"]["values"]["samples_per_volume"] == saved["samples_per_volume"]
+    drawn = [round(r["samples_per_s"] * r["train_time_s"]) for r in rows]
+    volumes = drawn[-1] // saved["samples_per_volume"]
+    assert drawn[:2] == [volumes * saved["samples_per_volume"] // 2] * 2
+    assert set(drawn[2:]) == {volumes * saved["samples_per_volume"]}
     # resumed for one more epoch: the run's own plan (a new measurement might differ)
     more = saved["epochs"] + 1
     assert run([*argv, "--epochs", more, "--resume", "auto"]) == 0
