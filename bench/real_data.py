@@ -34,6 +34,9 @@ intensities (a classical rule is free to use those). The trainer's output goes t
 ``RUN_DIR/real_data_trainer.log``. Works on any data root, not only the MNI152 task. ``plot``
 draws a run's curve again from its ``metrics.jsonl`` (up to ``--budget-s``). The plot has two
 panels: the whole run, and the same around the band floor, where the margin can be read.
+``--feature-floor`` (``train`` and ``plot``) adds the learned classical floor of
+``bench/feature_floor.py`` (trees on multi-scale filters; fitted after the run, so that it does
+not share the cores with the trainer): printed, and drawn beside the band.
 """
 
 from __future__ import annotations
@@ -221,7 +224,13 @@ def trainer_command(nproc: int, trainer_args: list[str]) -> tuple[list[str], dic
 
 
 def plot_curve(
-    path: Path, rows: list[tuple], floors: Floors, mode: str, budget_s: float, title: str
+    path: Path,
+    rows: list[tuple],
+    floors: Floors,
+    mode: str,
+    budget_s: float,
+    title: str,
+    feature_floor: float | None = None,
 ) -> None:
     import matplotlib
 
@@ -233,6 +242,7 @@ def plot_curve(
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
     band = floors.band.val_dice
     best = max((d for _, d in points), default=band)
+    top = max(best, band, feature_floor or 0.0)
     for ax, low in zip(axes, (0.0, band - 0.03)):
         if points:
             ax.plot(*zip(*points), marker="o", ms=3, label="model, val Dice (global)")
@@ -243,10 +253,17 @@ def plot_curve(
             ls=":",
             label=f"threshold floor ({mode} images) {floors.threshold.val_dice:.3f}",
         )
+        if feature_floor is not None:
+            ax.axhline(
+                feature_floor,
+                color="tab:green",
+                ls="-.",
+                label=f"feature floor (trees on filters, {mode} images) {feature_floor:.3f}",
+            )
         ax.axvline(budget_s, color="k", lw=0.8, alpha=0.4)
         ax.set_xlabel("cumulative training time (s)")
         ax.set_ylabel("validation Dice")
-        ax.set_ylim(low, 1.0 if low == 0.0 else min(1.0, max(best, band) + 0.01))
+        ax.set_ylim(low, 1.0 if low == 0.0 else min(1.0, top + 0.01))
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right", fontsize=8)
     axes[1].set_title(f"around the band floor (best {best:.4f})", fontsize=8)
@@ -328,6 +345,25 @@ def floors_to_beat(data: Path, normalization: str) -> tuple[dict[str, Floors], s
     return candidates, max(candidates, key=lambda mode: candidates[mode].band.val_dice)
 
 
+def feature_floor_dice(data: Path, normalization: str) -> float:
+    """The learned classical floor of ``bench/feature_floor.py`` (about a minute on MNI152)."""
+    from bench.feature_floor import feature_floor
+
+    train, val, _ = load_train_val(data, normalization)
+    started = time.perf_counter()
+    found = feature_floor(
+        [v.image for v in train],
+        [v.label for v in train],
+        [v.image for v in val],
+        [v.label for v in val],
+    )
+    print(
+        f"feature floor (bench/feature_floor.py, {normalization} images, "
+        f"{time.perf_counter() - started:.0f} s): val Dice {found.val_dice:.4f}"
+    )
+    return found.val_dice
+
+
 def replot(args: argparse.Namespace) -> int:
     """The plot of a run that ``train`` watched (or any run dir), again, up to ``--budget-s``."""
     metrics = Path(args.run) / "metrics.jsonl"
@@ -344,7 +380,8 @@ def replot(args: argparse.Namespace) -> int:
     title = args.title or f"{args.data} ({normalization}): {args.run}"
     budget_s = args.budget_s if math.isfinite(args.budget_s) else progress.train_s
     floors = candidates[floor_mode]
-    plot_curve(Path(args.plot), progress.rows, floors, floor_mode, budget_s, title)
+    learned = feature_floor_dice(Path(args.data), floor_mode) if args.feature_floor else None
+    plot_curve(Path(args.plot), progress.rows, floors, floor_mode, budget_s, title, learned)
     print(f"plot: {args.plot} ({len(progress.rows)} epochs, {progress.train_s:.1f} s of training)")
     return 0
 
@@ -427,9 +464,17 @@ def train(args: argparse.Namespace, trainer_args: list[str]) -> int:
             f"did not beat the band floor ({progress.floor:.4f}) in {progress.train_s:.1f} s "
             "of training"
         )
+    learned = None
+    if args.feature_floor:  # after the run: it would share the cores with the trainer
+        learned = feature_floor_dice(Path(args.data), floor_mode)
+        if validated:
+            best = max(r[2] for r in validated)
+            print(f"the model's best against the feature floor: {best - learned:+.4f}")
     if args.plot:
         title = f"{args.data} ({run_normalization(run_dir, cfg.normalization)}): {user_args}"
-        plot_curve(Path(args.plot), progress.rows, floors, floor_mode, args.budget_s, title)
+        plot_curve(
+            Path(args.plot), progress.rows, floors, floor_mode, args.budget_s, title, learned
+        )
         print(f"plot: {args.plot}")
     return 1 if failed else 0
 
@@ -458,12 +503,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--plot", help="PNG of val Dice against training seconds, with the floor")
     t.add_argument("--poll-s", type=float, default=1.0, help="metrics.jsonl polling interval")
     t.add_argument("--wall-limit-s", type=float, help="stop anyway (default 4 x budget + 600)")
+
     r = sub.add_parser("plot", help="plot a run's val Dice against the floor again")
     r.add_argument("--run", required=True, help="the trainer's run dir (--output-dir)")
     r.add_argument("--data", type=Path, required=True, help="its data root")
     r.add_argument("--plot", required=True, help="PNG to write")
     r.add_argument("--budget-s", type=float, default=math.inf, help="plot up to this far")
     r.add_argument("--title", help="the plot's title (default: data and run dir)")
+    for mode_parser in (t, r):
+        mode_parser.add_argument(
+            "--feature-floor",
+            action="store_true",
+            help="also fit the learned floor of bench/feature_floor.py (about a minute on "
+            "MNI152; after training), print it and draw it",
+        )
     args, rest = parser.parse_known_args(argv)
     if rest and args.mode != "train":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

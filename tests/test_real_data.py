@@ -108,5 +108,11 @@ def test_plot_draws_a_run_again_up_to_its_budget(tmp_path, capsys):
     assert real_data.main([*argv, "--budget-s", "25"]) == 0
     assert "3 epochs, 30.0 s of training" in capsys.readouterr().out  # stops once 25 s is spent
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # the learned floor too: fitted on the data's train split, drawn beside the band
+    png.unlink()
+    assert real_data.main([*argv, "--feature-floor"]) == 0
+    out = capsys.readouterr().out
+    assert "feature floor (bench/feature_floor.py, " in out and "val Dice 0." in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
     assert real_data.main([*argv[:2], str(tmp_path / "none"), *argv[3:]]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
