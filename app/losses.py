@@ -42,3 +42,41 @@ class BCEDiceLoss(nn.Module):
             intersection = (probs * target).sum(1)
             dice = (2 * intersection + self.smooth) / (probs.sum(1) + target.sum(1) + self.smooth)
             return self.bce_weight * bce + self.dice_weight * (1 - dice.mean())
+
+
+class DeepSupervisionLoss(nn.Module):
+    r"""``loss`` over the logits of every decoder level, weighted :math:`w_i \propto 2^{-i}` (level
+    0 the finest) and normalised to sum to 1, as nnU-Net weights its deep supervision.
+
+    Each coarser level is scored against the label averaged over the voxels it covers
+    (``adaptive_avg_pool3d`` to the level's size): the foreground fraction, a soft target that
+    BCE and the soft Dice take as they are. Given one tensor (the model in eval mode, as in
+    validation), it is ``loss`` itself.
+    """
+
+    def __init__(self, loss: nn.Module, levels: int):
+        super().__init__()
+        self.loss = loss
+        weights = torch.tensor([0.5**i for i in range(levels)])
+        self.weights = (weights / weights.sum()).tolist()
+
+    def forward(self, outputs, target: torch.Tensor) -> torch.Tensor:
+        if torch.is_tensor(outputs):
+            return self.loss(outputs, target)
+        if len(outputs) != len(self.weights):
+            raise ValueError(f"{len(outputs)} outputs for {len(self.weights)} weighted levels")
+        total = self.weights[0] * self.loss(outputs[0], target)
+        with torch.autocast(target.device.type, enabled=False):
+            coarse = [F.adaptive_avg_pool3d(target.float(), out.shape[-3:]) for out in outputs[1:]]
+        for weight, out, level_target in zip(self.weights[1:], outputs[1:], coarse):
+            total = total + weight * self.loss(out, level_target)
+        return total
+
+
+def build_loss(cfg) -> nn.Module:
+    """BCE + Dice with ``--bce-weight``/``--dice-weight``, over every decoder level with
+    ``--deep-supervision`` (the model then has ``depth - 1`` of them)."""
+    loss = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
+    if cfg.deep_supervision and cfg.depth > 2:
+        return DeepSupervisionLoss(loss, cfg.depth - 1)
+    return loss
