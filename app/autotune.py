@@ -425,9 +425,7 @@ def cache_facts(cfg: Config, caps: Capabilities, cands: list[Candidate]) -> dict
             "f_maps": cfg.f_maps,
             "depth": cfg.depth,
             "norm": cfg.norm,  # InstanceNorm is 25x slower channels_last on CPU (torch 2.13)
-            # other layers, other kernels: the kernel check must see them (app.kernel_check)
-            "block": cfg.block,
-            "deep_supervision": cfg.deep_supervision,
+            "block": cfg.block,  # other layers, other kernels: the kernel check must see them
             "patch_size": list(cfg.patch_size),
             "batch_size": cfg.batch_size,
             "amp_backend": cfg.amp_backend,

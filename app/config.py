@@ -86,13 +86,6 @@ class Config:
         "nnU-Net's residual-encoder U-Net); the decoder is plain either way",
         "model",
     )
-    deep_supervision: bool = _opt(
-        False,
-        "also train a 1x1x1 head on each coarser decoder level against the downsampled label "
-        "(nnU-Net's deep supervision; weights 1, 1/2, 1/4 ... normalised); inference reads the "
-        "finest head only",
-        "model",
-    )
     memory_format: Literal["auto", "channels_last", "contiguous"] = _opt(
         "auto",
         "weights and activations in channels_last_3d or contiguous layout; auto = measured on "
@@ -355,11 +348,6 @@ def validate(cfg: Config) -> None:
     ):
         need(getattr(cfg, name) >= 1, name, "must be at least 1")
     need(cfg.depth >= 2, "depth", "must be at least 2")
-    need(
-        not cfg.deep_supervision or cfg.depth >= 3,
-        "depth",
-        "must be at least 3 for --deep-supervision (depth 2 has no coarser decoder level)",
-    )
     smallest = 2 ** (cfg.depth - 1)
     need(
         min(cfg.patch_size) >= smallest,

@@ -108,9 +108,7 @@ class UNet3d(nn.Module):
     decoder with skip connections.
 
     Returns logits with the input's spatial shape; the sigmoid lives in the loss, metrics and
-    prediction, where it is computed in float32. With ``deep_supervision``, in training mode, it
-    returns those and the logits of each coarser decoder level, for
-    :class:`app.losses.DeepSupervisionLoss`.
+    prediction, where it is computed in float32.
     """
 
     def __init__(
@@ -121,7 +119,6 @@ class UNet3d(nn.Module):
         depth: int = 4,
         norm: str = "batch",
         block: str = "plain",
-        deep_supervision: bool = False,
     ):
         super().__init__()
         encoder = encoder_block(block)
@@ -140,20 +137,13 @@ class UNet3d(nn.Module):
         self.decoders = nn.ModuleList(Up(a, b, norm) for a, b in zip(widths[::-1], widths[-2::-1]))
         self.pool = nn.MaxPool3d(2)
         self.head = nn.Conv3d(widths[0], n_classes, kernel_size=1)
-        # one 1x1x1 head per coarser decoder level, finest first (nnU-Net's deep supervision);
-        # read in training only: in eval mode the model returns the finest logits alone
-        self.aux_heads = nn.ModuleList(
-            nn.Conv3d(w, n_classes, kernel_size=1) for w in widths[1:-1] if deep_supervision
-        )
 
     @property
     def min_size(self) -> int:
         """Smallest spatial size per axis: every pooling level needs at least 2 voxels."""
         return 2 ** (len(self.encoders) - 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Logits at the input's size; in training with deep supervision, a tuple of the logits
-        and those of each coarser decoder level (finest first)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if any(s < self.min_size for s in x.shape[-3:]):
             raise ValueError(
                 f"input {tuple(x.shape[-3:])} is smaller than {self.min_size} voxels "
@@ -163,15 +153,9 @@ class UNet3d(nn.Module):
         for i, encoder in enumerate(self.encoders):
             x = encoder(x if i == 0 else self.pool(x))
             skips.append(x)
-        levels = []
         for decoder, skip in zip(self.decoders, reversed(skips[:-1])):
             x = decoder(x, skip)
-            levels.append(x)
-        logits = self.head(x)
-        if not (self.training and self.aux_heads):
-            return logits
-        coarser = reversed(levels[:-1])  # finest first, as the heads
-        return (logits, *(head(level) for head, level in zip(self.aux_heads, coarser)))
+        return self.head(x)
 
 
 def use_channels_last(model: nn.Module, restride_gradients: bool = True) -> nn.Module:
@@ -239,9 +223,7 @@ def resolve_memory_format(setting: str, device: torch.device) -> str:
 
 def build_model(cfg, device: torch.device) -> UNet3d:
     """The configured UNet3d on ``device``, in the configured memory format."""
-    model = UNet3d(1, 1, cfg.f_maps, cfg.depth, cfg.norm, cfg.block, cfg.deep_supervision).to(
-        device
-    )
+    model = UNet3d(1, 1, cfg.f_maps, cfg.depth, cfg.norm, cfg.block).to(device)
     if resolve_memory_format(cfg.memory_format, device) == "channels_last":
         use_channels_last(model)
     return model

@@ -195,8 +195,7 @@ def build_predictor(
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"{path}: weights do not fit UNet3d(f_maps={cfg.f_maps}, "
-            f"depth={cfg.depth}, block={cfg.block}, deep_supervision={cfg.deep_supervision}) "
-            f"of its own config ({first})"
+            f"depth={cfg.depth}, block={cfg.block}) of its own config ({first})"
         ) from exc
     precision = build_precision(cfg, device)
     model = model.eval()

@@ -15,7 +15,7 @@ from torch import nn
 from app.config import Config
 from app.distributed import DistEnv, prepare, reduce_tensor, unwrap
 from app.ema import WeightAverage
-from app.losses import build_loss
+from app.losses import BCEDiceLoss
 from app.model import build_model
 from app.precision import Precision, build_precision
 from app.tracking import NullTracker, Tracker
@@ -80,7 +80,7 @@ def train_one_epoch(
     loader: Iterable,
     optimizer: torch.optim.Optimizer,
     precision: Precision,
-    loss_fn: nn.Module,
+    loss_fn: BCEDiceLoss,
     tracker: Tracker | NullTracker,
     env: DistEnv,
     epoch: int,
@@ -145,7 +145,7 @@ class SyntheticStepper:
         model = build_model(cfg, env.device)
         optimizer = build_optimizer(model, cfg, env, self.precision.backend)
         self.model, self.optimizer = prepare(model, optimizer, self.precision, env)
-        self.loss_fn = build_loss(cfg)
+        self.loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
         self.batch = synthetic_batch(cfg, env.device)
 
     def run(self, steps: int) -> EpochTotals:

@@ -47,7 +47,7 @@ from app.distributed import (
 )
 from app.ema import WeightAverage, inference_weights
 from app.floor import Floor, floors_from_volumes
-from app.losses import build_loss
+from app.losses import BCEDiceLoss
 from app.model import build_model
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
 from app.precision import Precision, build_precision
@@ -331,7 +331,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     optimizer = build_optimizer(model, cfg, env, precision.backend)
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = prepare(model, optimizer, precision, env)
-    loss_fn = build_loss(cfg)
+    loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
     average = weight_average(unwrap(model), cfg)
     evaluated = average.model if average else unwrap(model)  # what best.pt is chosen by
 

@@ -18,6 +18,7 @@ from torch import nn
 from app.data import Volume
 from app.distributed import DistEnv, reduce_tensor
 from app.inference import predict_logits
+from app.losses import BCEDiceLoss
 from app.metrics import confusion_counts, dice_iou
 from app.precision import Precision
 
@@ -89,7 +90,7 @@ def shard(items: list, env: DistEnv) -> list[int]:
 def evaluate(
     model: nn.Module,
     volumes: list[Volume],
-    loss_fn: nn.Module,
+    loss_fn: BCEDiceLoss,
     precision: Precision,
     env: DistEnv,
     window: tuple[int, int, int],

@@ -13,7 +13,6 @@ import yaml
 from app.checkpoint import CheckpointError
 from app.data import Normalization, load_train_val
 from app.floor import floors_from_volumes
-from app.losses import BCEDiceLoss, DeepSupervisionLoss, build_loss
 from app.model import DoubleConv, ResidualBlock, UNet3d
 from app.plan import Plan
 from app.predict import load_predictor
@@ -117,67 +116,6 @@ def test_residual_encoder_trains_predicts_and_old_checkpoints_stay_plain(dataset
     torch.save(state, tmp_path / "mismatch.pt")
     with pytest.raises(CheckpointError, match="block=residual"):
         load_predictor(tmp_path / "mismatch.pt", torch.device("cpu"))
-
-
-def test_deep_supervision_heads_train_and_inference_reads_the_finest():
-    torch.manual_seed(0)
-    model = UNet3d(1, 1, f_maps=4, depth=4, norm="none", deep_supervision=True)
-    x = torch.randn(2, 1, 8, 16, 12)
-    outputs = model.train()(x)
-    # finest first: full size, then each coarser decoder level (the bottom has no head)
-    assert [tuple(o.shape) for o in outputs] == [
-        (2, 1, 8, 16, 12),
-        (2, 1, 4, 8, 6),
-        (2, 1, 2, 4, 3),
-    ]
-    with torch.no_grad():
-        torch.testing.assert_close(model.eval()(x), outputs[0].detach())
-    plain = UNet3d(1, 1, f_maps=4, depth=4, norm="none")
-    assert not plain.aux_heads and torch.is_tensor(plain.train()(x))
-    # the heads are extra keys: the rest of the state is the plain model's
-    extra = set(model.state_dict()) - set(plain.state_dict())
-    assert extra and all(k.startswith("aux_heads.") for k in extra)
-
-
-def test_deep_supervision_loss_against_an_independent_computation():
-    torch.manual_seed(1)
-    target = (torch.rand(2, 1, 4, 8, 8) < 0.4).float()
-    outputs = (torch.randn(2, 1, 4, 8, 8), torch.randn(2, 1, 2, 4, 4), torch.randn(2, 1, 1, 2, 2))
-    base = BCEDiceLoss(0.5, 1.5)
-    # independently: the label averaged over 2x2x2 and 4x4x4 blocks, weights 4/7, 2/7, 1/7
-    half = target.reshape(2, 1, 2, 2, 4, 2, 4, 2).mean((3, 5, 7))
-    quarter = target.reshape(2, 1, 1, 4, 2, 4, 2, 4).mean((3, 5, 7))
-    expected = (
-        4 * base(outputs[0], target) + 2 * base(outputs[1], half) + base(outputs[2], quarter)
-    ) / 7
-    loss = DeepSupervisionLoss(base, 3)
-    torch.testing.assert_close(loss(outputs, target), expected)
-    # one tensor (a model in eval mode: validation) is the plain loss
-    torch.testing.assert_close(loss(outputs[0], target), base(outputs[0], target))
-    with pytest.raises(ValueError, match="2 outputs for 3"):
-        loss(outputs[:2], target)
-
-
-def test_build_loss_follows_the_flag():
-    from app.config import Config, ConfigError, validate
-
-    assert type(build_loss(Config(depth=3))) is BCEDiceLoss
-    deep = build_loss(Config(depth=3, deep_supervision=True))
-    assert isinstance(deep, DeepSupervisionLoss) and deep.weights == pytest.approx([2 / 3, 1 / 3])
-    with pytest.raises(ConfigError, match="--depth must be at least 3 for --deep-supervision"):
-        validate(Config(depth=2, patch_size=(8, 8, 8), deep_supervision=True))
-
-
-def test_deep_supervision_trains_resumes_and_predicts(dataset, tmp_path, tiny_args):
-    run_dir = tmp_path / "ds"
-    argv = [*tiny_args, "--data-root", dataset, "--output-dir", run_dir, "--deep-supervision"]
-    assert run([*argv, "--epochs", 1]) == 0
-    assert run([*argv, "--epochs", 2, "--resume", "auto"]) == 0
-    assert [r["epoch"] for r in records(run_dir)] == [1, 2]
-    state = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
-    assert state["config"]["deep_supervision"] and "aux_heads.0.weight" in state["model"]
-    predictor = load_predictor(run_dir / "checkpoints/last.pt", torch.device("cpu"))
-    assert len(predictor.model.aux_heads) == 1 and not predictor.model.training
 
 
 def test_instance_norm_trains_and_resumes(dataset, tmp_path, tiny_args):
