@@ -1,7 +1,7 @@
 """Quality on real data: the MNI152 2009 T1 template as a segmentation task, and a training run
 timed against its classical floor. A benchmark, not a test.
 
-    python bench/real_data.py write --out datasets/MNI152/t1-gm
+    python bench/real_data.py write --out datasets/MNI152/t1-gm [--tissue gm|wm]
     python bench/real_data.py floor --data datasets/MNI152/t1-gm
     python bench/real_data.py train --data datasets/MNI152/t1-gm --budget-s 300 [trainer flags]
     python bench/real_data.py plot --run RUN_DIR --data datasets/MNI152/t1-gm --plot curve.png
@@ -9,10 +9,12 @@ timed against its classical floor. A benchmark, not a test.
 ``write`` takes nilearn's packaged template (``load_mni152_template(resolution=1)``: the
 skull-stripped ICBM152 2009a symmetric T1 at 1 mm, 197x233x189, scaled to [0, 1]; no download)
 and its grey-matter probability map (``load_mni152_gm_template``, same grid). The task: label =
-GM probability > 0.5. The volume is reoriented to (D, H, W) = (superior, anterior, right), so the
-trainer's patch depth runs along z, and cropped to the bounding box of the brain (the template is
-zero outside it). The inferior half of z trains and the superior half validates, each cut into
-``--slabs`` slabs along z, one file per slab:
+GM probability > 0.5. ``--tissue wm`` writes the white-matter task instead
+(``load_mni152_wm_template``): a second real task, of another kind (one threshold on T1 is
+already a strong floor there, where grey matter needs a band). The volume is reoriented to
+(D, H, W) = (superior, anterior, right), so the trainer's patch depth runs along z, and cropped to
+the bounding box of the brain (the template is zero outside it). The inferior half of z trains
+and the superior half validates, each cut into ``--slabs`` slabs along z, one file per slab:
 
     OUT/train_patches/{images,labels}/mni152_z000_019.nii.gz ...  (inferior half)
     OUT/val_patches/{images,labels}/mni152_z077_096.nii.gz ...    (superior half)
@@ -66,7 +68,8 @@ from app.floor import Floors, floors_from_volumes  # noqa: E402
 from app.volume_io import VolumeMeta, is_volume_file, write_volume  # noqa: E402
 
 NAME_PREFIX = "mni152_z"
-GM_THRESHOLD = 0.5
+PROBABILITY_THRESHOLD = 0.5  # label = tissue probability above this
+TISSUES = {"gm": "load_mni152_gm_template", "wm": "load_mni152_wm_template"}
 AXES = ("S", "A", "R")  # array axes after reorientation: (D, H, W) = (z, y, x)
 DEFAULT_EPOCHS = 100_000  # "until stopped": the budget ends the run
 STOP_GRACE_S = 20  # after SIGTERM, before SIGKILL
@@ -75,15 +78,15 @@ STOP_GRACE_S = 20  # after SIGTERM, before SIGKILL
 # --------------------------------------------------------------------------------------------
 # write
 # --------------------------------------------------------------------------------------------
-def load_template(stride: int = 1):
-    """(T1 image, GM probability image) on one grid, reoriented to ``AXES``, cropped to the
+def load_template(stride: int = 1, tissue: str = "gm"):
+    """(T1 image, ``tissue`` probability image) on one grid, reoriented to ``AXES``, cropped to the
     brain's bounding box, and subsampled by ``stride`` (for tests; 1 = the full 1 mm grid);
     then the crop box and the stored shape and orientation."""
     import nibabel as nib
     from nilearn import datasets
 
     t1 = datasets.load_mni152_template(resolution=1)
-    gm = datasets.load_mni152_gm_template(resolution=1)
+    gm = getattr(datasets, TISSUES[tissue])(resolution=1)
     stored = f"{'x'.join(map(str, t1.shape))} stored as {','.join(nib.aff2axcodes(t1.affine))}"
     if t1.shape != gm.shape or not np.allclose(t1.affine, gm.affine):
         from nilearn.image import resample_to_img
@@ -122,9 +125,9 @@ def clear_output(out: Path, overwrite: bool) -> None:
         folder.mkdir(parents=True, exist_ok=True)
 
 
-def write_task(out: Path, slabs: int, stride: int, overwrite: bool) -> dict:
+def write_task(out: Path, slabs: int, stride: int, overwrite: bool, tissue: str = "gm") -> dict:
     """Write the slabs; returns what was written, for the report."""
-    t1, gm, (lo, hi), stored = load_template(stride)
+    t1, gm, (lo, hi), stored = load_template(stride, tissue)
     clear_output(out, overwrite)
     depth = t1.shape[0]
     half = depth // 2
@@ -133,7 +136,8 @@ def write_task(out: Path, slabs: int, stride: int, overwrite: bool) -> dict:
     for split, (start, stop) in (("train", (0, half)), ("val", (half, depth))):
         for z0, z1 in slab_bounds(start, stop, slabs):
             image = t1.slicer[z0:z1]
-            label = (np.asarray(gm.slicer[z0:z1].dataobj) > GM_THRESHOLD).astype(np.uint8)
+            probability = np.asarray(gm.slicer[z0:z1].dataobj)
+            label = (probability > PROBABILITY_THRESHOLD).astype(np.uint8)
             data = np.asarray(image.dataobj, dtype=np.float32)
             meta = VolumeMeta(".nii.gz", affine=image.affine)
             name = f"{NAME_PREFIX}{z0:03d}_{z1:03d}.nii.gz"
@@ -484,6 +488,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="mode", required=True)
     w = sub.add_parser("write", help="write the MNI152 T1 / grey-matter task, print its floor")
+    w.add_argument(
+        "--tissue",
+        choices=sorted(TISSUES),
+        default="gm",
+        help="label: grey (gm, default) or white matter (wm) probability > 0.5",
+    )
     w.add_argument("--out", type=Path, required=True, help="data root to write")
     w.add_argument("--slabs", type=int, default=4, help="slabs per half (default 4)")
     w.add_argument("--stride", type=int, default=1, help="keep every Nth voxel (tests)")
@@ -524,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mode == "write":
         if args.slabs < 1 or args.stride < 1:
             parser.error("--slabs and --stride must be at least 1")
-        info = write_task(args.out, args.slabs, args.stride, args.overwrite)
+        info = write_task(args.out, args.slabs, args.stride, args.overwrite, args.tissue)
         lo, hi = info["crop_lo"], info["crop_hi"]
         print(
             f"ICBM152 2009a symmetric T1 template (nilearn, packaged, 1 mm, {info['stored']}),"
@@ -533,7 +543,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for split, where in (("train", "inferior half"), ("val", "superior half")):
             for name, shape, fg in info["written"][split]:
-                print(f"  {SPLITS[split]}/{name}: {shape}, GM {fg:.1%} ({where})")
+                print(
+                    f"  {SPLITS[split]}/{name}: {shape}, {args.tissue.upper()} {fg:.1%} ({where})"
+                )
         print_floors(args.out)
         return 0
     if args.mode == "floor":

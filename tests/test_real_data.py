@@ -57,6 +57,22 @@ def test_write_gives_the_trainer_layout(tmp_path, capsys):
     assert len(load_split(out, "train", "zscore")) == 4
 
 
+def test_write_the_white_matter_task(tmp_path, capsys):
+    pytest.importorskip("nilearn")
+    gm, wm = tmp_path / "gm", tmp_path / "wm"
+    assert real_data.main(["write", "--out", str(gm), "--slabs", "1", "--stride", "6"]) == 0
+    capsys.readouterr()
+    argv = ["write", "--out", str(wm), "--slabs", "1", "--stride", "6", "--tissue", "wm"]
+    assert real_data.main(argv) == 0
+    assert ", WM " in capsys.readouterr().out
+    for split in ("train", "val"):
+        (grey,), (white,) = load_split(gm, split, "raw"), load_split(wm, split, "raw")
+        np.testing.assert_array_equal(grey.image, white.image)  # the same T1 slabs
+        assert white.label.any() and not (grey.label & white.label).any()  # tissues apart
+    # white matter is the bright tissue of a T1: brighter on average than grey matter
+    assert white.image[white.label > 0].mean() > grey.image[grey.label > 0].mean()
+
+
 def test_read_records_skips_a_line_being_written(tmp_path):
     path = tmp_path / "metrics.jsonl"
     assert real_data.read_records(path) == []
