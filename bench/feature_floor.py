@@ -200,6 +200,22 @@ def feature_floor(
     return result
 
 
+def data_root_floor(root: Path | str, normalization: str = "raw", **options) -> FeatureFloor:
+    """:func:`feature_floor` of a data root in the trainer's layout, its images normalised as
+    ``normalization`` (``app.data.load_train_val``); ``options`` go to :func:`feature_floor`."""
+    from app.data import load_train_val
+
+    train, val, _ = load_train_val(root, normalization)
+    return feature_floor(
+        [v.image for v in train],
+        [v.label for v in train],
+        [v.image for v in val],
+        [v.label for v in val],
+        names=([v.name for v in train], [v.name for v in val]),
+        **options,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("--data", type=Path, required=True, help="data root (the trainer's)")
@@ -214,18 +230,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from app.data import DataError, load_train_val
+    from app.data import DataError
     from app.volume_io import VolumeError
 
     started = time.perf_counter()
     try:
-        train, val, _ = load_train_val(args.data, args.normalization)
-        found = feature_floor(
-            [v.image for v in train],
-            [v.label for v in train],
-            [v.image for v in val],
-            [v.label for v in val],
-            names=([v.name for v in train], [v.name for v in val]),
+        found = data_root_floor(
+            args.data,
+            args.normalization,
             leave_one_out=args.leave_one_out,
             samples_per_volume=args.samples_per_volume,
             seed=args.seed,

@@ -86,22 +86,24 @@ def load_template(stride: int = 1, tissue: str = "gm"):
     from nilearn import datasets
 
     t1 = datasets.load_mni152_template(resolution=1)
-    gm = getattr(datasets, TISSUES[tissue])(resolution=1)
+    tissue_map = getattr(datasets, TISSUES[tissue])(resolution=1)
     stored = f"{'x'.join(map(str, t1.shape))} stored as {','.join(nib.aff2axcodes(t1.affine))}"
-    if t1.shape != gm.shape or not np.allclose(t1.affine, gm.affine):
+    if t1.shape != tissue_map.shape or not np.allclose(t1.affine, tissue_map.affine):
         from nilearn.image import resample_to_img
 
-        gm = resample_to_img(gm, t1, interpolation="continuous", force_resample=True)
+        tissue_map = resample_to_img(
+            tissue_map, t1, interpolation="continuous", force_resample=True
+        )
     # find z from the affine rather than assuming the stored order
     transform = nib.orientations.ornt_transform(
         nib.orientations.io_orientation(t1.affine), nib.orientations.axcodes2ornt(AXES)
     )
-    t1, gm = t1.as_reoriented(transform), gm.as_reoriented(transform)
+    t1, tissue_map = t1.as_reoriented(transform), tissue_map.as_reoriented(transform)
     # the skull-stripped template is exactly 0 outside the brain: crop that margin away
     inside = np.argwhere(np.asarray(t1.dataobj) > 0)
     lo, hi = inside.min(0), inside.max(0) + 1
     box = tuple(slice(int(a), int(b), stride) for a, b in zip(lo, hi))
-    return t1.slicer[box], gm.slicer[box], (lo, hi), stored
+    return t1.slicer[box], tissue_map.slicer[box], (lo, hi), stored
 
 
 def slab_bounds(start: int, stop: int, slabs: int) -> list[tuple[int, int]]:
@@ -127,7 +129,7 @@ def clear_output(out: Path, overwrite: bool) -> None:
 
 def write_task(out: Path, slabs: int, stride: int, overwrite: bool, tissue: str = "gm") -> dict:
     """Write the slabs; returns what was written, for the report."""
-    t1, gm, (lo, hi), stored = load_template(stride, tissue)
+    t1, tissue_map, (lo, hi), stored = load_template(stride, tissue)
     clear_output(out, overwrite)
     depth = t1.shape[0]
     half = depth // 2
@@ -136,7 +138,7 @@ def write_task(out: Path, slabs: int, stride: int, overwrite: bool, tissue: str 
     for split, (start, stop) in (("train", (0, half)), ("val", (half, depth))):
         for z0, z1 in slab_bounds(start, stop, slabs):
             image = t1.slicer[z0:z1]
-            probability = np.asarray(gm.slicer[z0:z1].dataobj)
+            probability = np.asarray(tissue_map.slicer[z0:z1].dataobj)
             label = (probability > PROBABILITY_THRESHOLD).astype(np.uint8)
             data = np.asarray(image.dataobj, dtype=np.float32)
             meta = VolumeMeta(".nii.gz", affine=image.affine)
@@ -351,16 +353,10 @@ def floors_to_beat(data: Path, normalization: str) -> tuple[dict[str, Floors], s
 
 def feature_floor_dice(data: Path, normalization: str) -> float:
     """The learned classical floor of ``bench/feature_floor.py`` (about a minute on MNI152)."""
-    from bench.feature_floor import feature_floor
+    from bench.feature_floor import data_root_floor
 
-    train, val, _ = load_train_val(data, normalization)
     started = time.perf_counter()
-    found = feature_floor(
-        [v.image for v in train],
-        [v.label for v in train],
-        [v.image for v in val],
-        [v.label for v in val],
-    )
+    found = data_root_floor(data, normalization)
     print(
         f"feature floor (bench/feature_floor.py, {normalization} images, "
         f"{time.perf_counter() - started:.0f} s): val Dice {found.val_dice:.4f}"
