@@ -27,12 +27,23 @@ Policies
 - Summary: ``mean`` and ``median`` over volumes (each volume weighs the same); ``global`` Dice,
   IoU, precision and recall from the counts summed over all volumes (large volumes weigh more;
   the trainer's reported ``dice`` and ``iou`` are these).
+- Grains (on unless ``--no-grains``; see :mod:`app.grains`): the predicted mask is split into
+  grains by the distance-map watershed, and so is the label unless an instance map gives the
+  true grains: ``--instances DIR`` with ``NAME.EXT`` maps (0 background, one id per grain), by
+  default the ``instances`` folder beside ``--labels`` when there is one (the synthetic
+  generator writes it). Grains under ``--min-grain-size`` voxels are left out on both sides.
+  Per volume: grain counts, one-to-one matches at IoU >= 0.5, object precision, recall and F1,
+  merged and split grains, the count error (predicted - true), and the size-distribution error
+  (predicted - true d10/d50/d90 of the equivalent diameters, and their Wasserstein distance) in
+  the spacing's unit. The summary pools them: summed counts, and the errors of the pooled
+  distributions. ``grains.truth`` says where the true grains came from.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -44,21 +55,38 @@ from typing import Any
 import numpy as np
 from scipy import ndimage
 
+from app import grains
 from app.atomic import atomic_write_bytes
 from app.data import binarize_label, check_finite
 from app.predict import HelpFormatter
 from app.volume_io import (
     EXTENSIONS,
     VolumeError,
-    VolumeMeta,
     is_volume_file,
     read_volume,
     split_ext,
+    voxel_spacing,
 )
 
 METRICS = ("dice", "iou", "precision", "recall", "hd95")
+GRAIN_COLUMNS = (
+    "true_grains",
+    "pred_grains",
+    "matched_grains",
+    "object_precision",
+    "object_recall",
+    "object_f1",
+    "merged_grains",
+    "split_grains",
+    "grain_count_error",
+    "d10_error",
+    "d50_error",
+    "d90_error",
+    "d50_error_by_volume",
+    "wasserstein",
+    "grain_unit",
+)
 CSV_COLUMNS = ("name", "prediction", "label", "shape", "tp", "fp", "fn", *METRICS, "hd95_unit")
-NIFTI_UNITS = {"mm": "mm", "micron": "um", "meter": "m", "unknown": "mm"}
 
 
 class EvaluateError(ValueError):
@@ -116,6 +144,7 @@ class Pair:
     name: str
     prediction: Path
     label: Path
+    instances: Path | None = None  # the true grains; None: the label's watershed
 
 
 def index_folder(folder: Path, flag: str) -> dict[str, Path]:
@@ -167,6 +196,27 @@ def pair_files(pred_dir: Path, labels_dir: Path) -> list[Pair]:
     return pairs
 
 
+def instances_folder(choice: Path | None, labels_dir: Path) -> Path | None:
+    """``--instances``, else the ``instances`` folder beside ``--labels`` if there is one."""
+    if choice is not None:
+        if not choice.is_dir():
+            raise EvaluateError(f"--instances {choice}: no such folder")
+        return choice
+    beside = labels_dir.parent / "instances"
+    return beside if beside.is_dir() else None
+
+
+def attach_instances(pairs: list[Pair], folder: Path) -> list[Pair]:
+    """Each pair with its instance map ``NAME.EXT`` from ``folder``; all gaps named at once."""
+    maps = index_folder(folder, "--instances")
+    missing = [
+        f"{p.label}: no instance map {p.name}.* in {folder}" for p in pairs if p.name not in maps
+    ]
+    if missing:
+        raise EvaluateError("\n".join(missing))
+    return [dataclasses.replace(p, instances=maps[p.name]) for p in pairs]
+
+
 def binarize_prediction(array: np.ndarray, path: Path) -> np.ndarray:
     check_finite(array, path)
     if array.dtype.kind == "f":
@@ -174,16 +224,52 @@ def binarize_prediction(array: np.ndarray, path: Path) -> np.ndarray:
     return binarize_label(array, path).astype(bool)
 
 
-def spacing_of(meta: VolumeMeta, mode: str) -> tuple[tuple[float, ...] | None, str]:
-    if mode == "voxel" or meta.header is None:
-        return None, "voxel"
-    zooms = tuple(float(z) for z in meta.header.get_zooms()[:3])
-    if any(not z > 0 for z in zooms):
-        return None, "voxel"
-    return zooms, NIFTI_UNITS.get(meta.header.get_xyzt_units()[0], "mm")
+def true_grains(pair: Pair, label: np.ndarray, params: grains.GrainParams, spacing) -> np.ndarray:
+    """The true grain instances: the pair's instance map, else the label's watershed."""
+    if pair.instances is None:
+        return grains.split_grains(label, params, spacing)
+    raw, _ = read_volume(pair.instances)
+    if raw.shape != label.shape:
+        raise VolumeError(
+            f"{pair.instances}: shape {raw.shape} differs from its label {pair.label} "
+            f"with shape {label.shape}"
+        )
+    if raw.dtype.kind not in "biu" or (raw.dtype.kind == "i" and raw.min() < 0):
+        raise VolumeError(
+            f"{pair.instances}: an instance map holds non-negative integer ids, got dtype "
+            f"{raw.dtype}" + (f" with minimum {raw.min()}" if raw.dtype.kind == "i" else "")
+        )
+    return grains.drop_small(raw.astype(np.int64), params.min_size)
 
 
-def evaluate_pair(pair: Pair, spacing_mode: str = "header") -> dict[str, Any]:
+def grain_scores(
+    pred: np.ndarray, truth: np.ndarray, params: grains.GrainParams, spacing, unit: str
+) -> dict[str, Any]:
+    """Object-level figures of one volume (see the module docstring); ``_diameters`` keeps the
+    predicted and true equivalent diameters for the pooled distributions."""
+    predicted = grains.split_grains(pred, params, spacing)
+    match = grains.match_grains(predicted, truth)
+    pred_d = grains.equivalent_diameters(predicted, spacing)
+    true_d = grains.equivalent_diameters(truth, spacing)
+    errors = grains.distribution_error(pred_d, true_d)
+    return {
+        "true_grains": match.n_true,
+        "pred_grains": match.n_pred,
+        "matched_grains": match.matched,
+        **match.scores,
+        "merged_grains": match.merged,
+        "split_grains": match.split,
+        "grain_count_error": match.n_pred - match.n_true,
+        **{k: errors[k] for k in GRAIN_COLUMNS if k in errors},
+        "grain_unit": unit,
+        "_diameters": (pred_d, true_d),
+    }
+
+
+def evaluate_pair(
+    pair: Pair, spacing_mode: str = "header", grain_params: grains.GrainParams | None = None
+) -> dict[str, Any]:
+    """One volume's figures; ``grain_params`` None leaves the grains out."""
     raw_pred, _ = read_volume(pair.prediction)
     raw_label, meta = read_volume(pair.label)
     if raw_pred.shape != raw_label.shape:
@@ -194,8 +280,8 @@ def evaluate_pair(pair: Pair, spacing_mode: str = "header") -> dict[str, Any]:
     check_finite(raw_label, pair.label)
     label = binarize_label(raw_label, pair.label).astype(bool)
     pred = binarize_prediction(raw_pred, pair.prediction)
-    spacing, unit = spacing_of(meta, spacing_mode)
-    return {
+    spacing, unit = voxel_spacing(meta, spacing_mode)
+    row = {
         "name": pair.name,
         "prediction": str(pair.prediction),
         "label": str(pair.label),
@@ -204,6 +290,10 @@ def evaluate_pair(pair: Pair, spacing_mode: str = "header") -> dict[str, Any]:
         "hd95": hd95(pred, label, spacing),
         "hd95_unit": unit,
     }
+    if grain_params is not None:
+        truth = true_grains(pair, label, grain_params, spacing)
+        row.update(grain_scores(pred, truth, grain_params, spacing, unit))
+    return row
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -215,21 +305,54 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     totals = {k: sum(r[k] for r in rows) for k in ("tp", "fp", "fn")}
     units = sorted({r["hd95_unit"] for r in rows})
-    return {
+    summary = {
         "count": len(rows),
         "mean": {k: stat(np.mean, k) for k in METRICS},
         "median": {k: stat(np.median, k) for k in METRICS},
         "global": {**scores_from_counts(**totals), **totals},
         "hd95_unit": units[0] if len(units) == 1 else units,
         "hd95_excluded": len(rows) - len(finite_hd),
-        "volumes": [{**r, "hd95": r["hd95"] if math.isfinite(r["hd95"]) else None} for r in rows],
+        "volumes": [
+            {
+                **{k: v for k, v in r.items() if not k.startswith("_")},
+                "hd95": r["hd95"] if math.isfinite(r["hd95"]) else None,
+            }
+            for r in rows
+        ],
+    }
+    if rows and "_diameters" in rows[0]:
+        summary["grains"] = summarize_grains(rows)
+    return summary
+
+
+def summarize_grains(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pooled object figures: counts summed over volumes, errors of the pooled distributions."""
+    counts = {
+        k: sum(r[k] for r in rows)
+        for k in ("true_grains", "pred_grains", "matched_grains", "merged_grains", "split_grains")
+    }
+    pred_d = np.concatenate([r["_diameters"][0] for r in rows])
+    true_d = np.concatenate([r["_diameters"][1] for r in rows])
+    units = sorted({r["grain_unit"] for r in rows})
+    return {
+        **counts,
+        **grains.object_scores(
+            counts["matched_grains"], counts["pred_grains"], counts["true_grains"]
+        ),
+        "grain_count_error": counts["pred_grains"] - counts["true_grains"],
+        "mean_object_f1": float(np.mean([r["object_f1"] for r in rows])),
+        **grains.distribution_error(pred_d, true_d),
+        "unit": units[0] if len(units) == 1 else units,
+        "predicted_size_distribution": grains.size_distribution(pred_d),
+        "true_size_distribution": grains.size_distribution(true_d),
     }
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
+    columns = CSV_COLUMNS + (GRAIN_COLUMNS if rows and "object_f1" in rows[0] else ())
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(CSV_COLUMNS)
+    writer.writerow(columns)
     for r in rows:
         writer.writerow(
             [
@@ -237,8 +360,10 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
                 if c == "shape"
                 else f"{r[c]:.6g}"
                 if isinstance(r[c], float)
+                else ""
+                if r[c] is None
                 else r[c]
-                for c in CSV_COLUMNS
+                for c in columns
             ]
         )
     return out.getvalue()
@@ -291,7 +416,39 @@ def build_parser() -> argparse.ArgumentParser:
         "--spacing",
         choices=["header", "voxel"],
         default="header",
-        help="HD95 in the label's NIfTI spacing, or in voxels",
+        help="HD95 and grain sizes in the label's NIfTI spacing, or in voxels",
+    )
+    grain = parser.add_argument_group("grains (object-level figures, see app.grains)")
+    grain.add_argument(
+        "--no-grains", action="store_true", help="voxel figures only (faster on big volumes)"
+    )
+    grain.add_argument(
+        "--instances",
+        metavar="DIR",
+        type=Path,
+        help="true grain instance maps NAME.EXT (default: LABELS/../instances when it "
+        "exists, else the watershed of each label)",
+    )
+    grain.add_argument(
+        "--min-grain-size",
+        metavar="N",
+        type=int,
+        default=grains.GrainParams.min_size,
+        help="grains under N voxels are left out, predicted and true",
+    )
+    grain.add_argument(
+        "--grain-h",
+        metavar="H",
+        type=float,
+        default=grains.GrainParams.h,
+        help="watershed seed depth in the smoothed distance map (voxels)",
+    )
+    grain.add_argument(
+        "--grain-smooth",
+        metavar="S",
+        type=float,
+        default=grains.GrainParams.smooth,
+        help="Gaussian sigma (voxels) on the distance map before seeding",
     )
     return parser
 
@@ -300,15 +457,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.out.suffix.lower() != ".json":
         raise EvaluateError(f"--out {args.out}: must end with .json (the CSV takes its stem)")
     pairs = pair_files(args.pred, args.labels)
+    grain_params, truth = None, None
+    if not args.no_grains:
+        try:
+            grain_params = grains.GrainParams(args.min_grain_size, args.grain_h, args.grain_smooth)
+        except grains.GrainError as exc:
+            raise EvaluateError(str(exc).replace("--", "--grain-", 1)) from exc
+        folder = instances_folder(args.instances, args.labels)
+        if folder is not None:
+            pairs = attach_instances(pairs, folder)
+        truth = f"instance maps in {folder}" if folder else "watershed of the labels"
     rows, problems = [], []
     for pair in pairs:
         try:
-            rows.append(evaluate_pair(pair, args.spacing))
+            rows.append(evaluate_pair(pair, args.spacing, grain_params))
         except VolumeError as exc:
             problems.append(str(exc))
     if problems:
         raise EvaluateError("\n".join(problems))
     summary = {"pred": str(args.pred), "labels": str(args.labels), **summarize(rows)}
+    if grain_params is not None:
+        summary["grains"] = {
+            "truth": truth,
+            "params": dataclasses.asdict(grain_params),
+            **summary["grains"],
+        }
     try:
         atomic_write_bytes(args.out.with_suffix(".csv"), csv_text(rows).encode())
         atomic_write_bytes(args.out, (json.dumps(summary, indent=2) + "\n").encode())
@@ -327,6 +500,18 @@ def report_line(summary: dict[str, Any]) -> str:
         f"{mean['precision']:.4f}, recall {mean['recall']:.4f}, HD95 {hd} "
         f"{unit if isinstance(unit, str) else '/'.join(unit)}"
         f" ({summary['hd95_excluded']} volume(s) with HD95 = inf left out)"
+        + ("" if "grains" not in summary else "\n" + grains_line(summary["grains"]))
+    )
+
+
+def grains_line(figures: dict[str, Any]) -> str:
+    d50 = figures["d50_error"]
+    return (
+        f"grains: {figures['pred_grains']} predicted, {figures['true_grains']} true "
+        f"({figures['truth']}); object F1 {figures['object_f1']:.4f} (precision "
+        f"{figures['object_precision']:.4f}, recall {figures['object_recall']:.4f}), "
+        f"{figures['merged_grains']} merged, {figures['split_grains']} split; d50 error "
+        f"{'n/a' if d50 is None else f'{d50:+.3g}'} {figures['unit']}"
     )
 
 

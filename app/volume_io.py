@@ -98,6 +98,20 @@ def volume_header(path: Path | str) -> tuple[tuple[int, ...], tuple[float, float
         ) from exc
 
 
+NIFTI_UNITS = {"mm": "mm", "micron": "um", "meter": "m", "unknown": "mm"}
+
+
+def voxel_spacing(meta: VolumeMeta, mode: str = "header") -> tuple[tuple[float, ...] | None, str]:
+    """Voxel spacing (z, y, x) and its unit from a NIfTI header (mm when it names none), or
+    ``(None, "voxel")`` for TIFF/NPY, a header without positive spacings, or ``mode="voxel"``."""
+    if mode == "voxel" or meta.header is None:
+        return None, "voxel"
+    zooms = tuple(float(z) for z in meta.header.get_zooms()[:3])
+    if any(not z > 0 for z in zooms):
+        return None, "voxel"
+    return zooms, NIFTI_UNITS.get(meta.header.get_xyzt_units()[0], "mm")
+
+
 def write_volume(path: Path | str, array: np.ndarray, meta: VolumeMeta) -> None:
     """Write atomically (temporary file in the same folder, then rename) in ``meta``'s format."""
     with atomic_path(path, suffix=meta.ext) as tmp:

@@ -10,13 +10,16 @@ or load it by path (``importlib.util.spec_from_file_location``) to use ``make_vo
 ``best_threshold_dice``. ``datasets/`` is deliberately not a Python package: a package named
 ``datasets`` would shadow Hugging Face ``datasets``.
 
-Layout written (a label has its image's file name)::
+Layout written (a label and an instance map have their image's file name)::
 
     OUT/train_patches/images/grain_000.nii.gz   OUT/train_patches/labels/grain_000.nii.gz
     OUT/val_patches/images/grain_000.nii.gz     OUT/val_patches/labels/grain_000.nii.gz
+    OUT/*/instances/grain_000.nii.gz            (one id per grain: the truth of app.grains)
 
 Arrays are (D, H, W) = (z, y, x) in every format; images are float32 (about -0.15..1.0, not
-clipped), labels uint8 in {0, 1}. See datasets/README.md for how the volumes are built.
+clipped), labels uint8 in {0, 1}, instances uint16 (0 = matrix, 1..N = grains; uint32 past
+65535 grains). The trainer reads images/ and labels/ only. See datasets/README.md for how the
+volumes are built.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from scipy.spatial import cKDTree
 DEFAULT_SHAPE = (74, 320, 320)
 FORMATS = ("nii.gz", "tif", "npy")
 SPLITS = ("train_patches", "val_patches")
+KINDS = ("images", "labels", "instances")  # the folders of a split
 VOXEL_SIZE_MM = 0.01  # 10 µm isotropic, a typical micro-CT voxel for ore particles
 # files this script writes, including its temporaries
 NAME_RE = re.compile(r"^\.?grain_\d{3,}\.(nii\.gz|tif|npy)(\.\d+\.tmp)?$")
@@ -68,6 +72,12 @@ SPECKLE_DENSITY = 2.5e-3  # bright unlabelled inclusions per matrix voxel
 SPECKLE_PEAK = (0.35, 0.7)  # added peak intensity after the partial-volume blur
 PARTIAL_VOLUME_SIGMA = 0.75  # voxels
 NOISE_SIGMA = 0.045
+
+
+class SyntheticVolume(NamedTuple):
+    image: np.ndarray  # float32 (D, H, W)
+    label: np.ndarray  # uint8 {0, 1}
+    instances: np.ndarray  # uint16/uint32: 0 matrix, 1..N grains (ids consecutive)
 
 
 class ThresholdResult(NamedTuple):
@@ -223,6 +233,25 @@ def make_volume(
 
     Returns ``(image, label)``: image float32 (D, H, W), label uint8 (D, H, W) in {0, 1}.
     """
+    volume = make_grain_volume(shape, rng)
+    return volume.image, volume.label
+
+
+def instance_map(owner: np.ndarray) -> np.ndarray:
+    """Grain owner ids (-1: matrix) -> consecutive ids 1..N in the smallest fitting uint."""
+    ids, inverse = np.unique(owner, return_inverse=True)
+    inverse = inverse.reshape(owner.shape)
+    if ids[0] >= 0:  # no matrix voxel at all
+        inverse += 1
+    dtype = np.uint16 if ids.size <= np.iinfo(np.uint16).max else np.uint32
+    return inverse.astype(dtype)
+
+
+def make_grain_volume(
+    shape: Sequence[int] = DEFAULT_SHAPE, rng: np.random.Generator | None = None
+) -> SyntheticVolume:
+    """:func:`make_volume` with the instance map of the grains it drew (no extra random draws,
+    so the image and label are those of ``make_volume`` with the same generator state)."""
     shape = tuple(int(s) for s in shape)
     if len(shape) != 3 or min(shape) < 1:
         raise ValueError(f"shape must be three positive ints (D, H, W), got {shape}")
@@ -238,6 +267,7 @@ def make_volume(
     owner, rho = _render_grains(shape, grains, roughness)
     label = rho < 1.0
     owner[~label] = -1
+    instances = instance_map(owner)
     n = grains.centres.shape[0]
 
     # ---- per-grain material ------------------------------------------------------------------
@@ -312,7 +342,7 @@ def make_volume(
     cup = 1.0 - 0.18 * (1.0 - (yy[:, None] ** 2 + xx[None, :] ** 2) / 2)
     img = img * gain * cup[None] + offset
     img += NOISE_SIGMA * rng.standard_normal(shape, dtype=f32)
-    return img.astype(f32), label.astype(np.uint8)
+    return SyntheticVolume(img.astype(f32), label.astype(np.uint8), instances)
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,7 +462,7 @@ def generate(
     if n_train < 1 or n_val < 1:
         raise ValueError(f"need at least one volume per split, got {n_train=} {n_val=}")
     counts = {"train_patches": n_train, "val_patches": n_val}
-    dirs = [out / s / sub for s in SPLITS for sub in ("images", "labels")]
+    dirs = [out / s / sub for s in SPLITS for sub in KINDS]
     stale = []
     for d in dirs:
         if d.is_dir():
@@ -467,10 +497,10 @@ def generate(
         fg = 0.0
         images, labels = [], []
         for i in range(counts[split]):
-            image, label = make_volume(shape, _volume_rng(seed, split_id, i))
+            image, label, instances = make_grain_volume(shape, _volume_rng(seed, split_id, i))
             name = f"grain_{i:03d}.{fmt}"
-            write_array(image, out / split / "images" / name, fmt)
-            write_array(label, out / split / "labels" / name, fmt)
+            for kind, array in zip(KINDS, (image, label, instances), strict=True):
+                write_array(array, out / split / kind / name, fmt)
             fg += float(label.mean())
             if split == "val_patches":
                 images.append(image)

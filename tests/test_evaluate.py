@@ -273,3 +273,65 @@ def test_help_documents_the_empty_policy():
     text = " ".join(evaluate.build_parser().format_help().split())
     assert "HD95 = inf" in text and "null" in text and "Empty in both" in text
     assert "HD95 = inf" in evaluate.__doc__ or "HD95 = inf" in " ".join(evaluate.__doc__.split())
+
+
+def test_grain_figures_against_instance_maps(tmp_path, capsys):
+    from test_grains import spheres
+
+    # three touching balls; the prediction merges the last two: a cylinder as thick as they are
+    # fills their neck, so the distance map has no valley there
+    truth = spheres((20, 24, 60), [(10, 12, 10), (10, 12, 26), (10, 12, 41)], [7.0, 7.5, 7.0])
+    z, y, x = np.indices(truth.shape)
+    pred = (truth > 0) | (((z - 10) ** 2 + (y - 12) ** 2 <= 7.5**2) & (x >= 26) & (x <= 41))
+    write_pair(tmp_path, "v", pred.astype(np.uint8), (truth > 0).astype(np.uint8))
+    (tmp_path / "instances").mkdir()
+    write_volume(
+        tmp_path / "instances" / "v.nii.gz",
+        truth.astype(np.uint16),
+        VolumeMeta(".nii.gz", affine=np.diag([*SPACING, 1.0])),
+    )
+    code, summary, out = run(tmp_path, capsys)  # instances/ beside labels/ is found
+    assert code == 0
+    row, figures = summary["volumes"][0], summary["grains"]
+    assert figures["truth"].startswith("instance maps in") and "instances" in figures["truth"]
+    assert (row["true_grains"], row["pred_grains"], row["matched_grains"]) == (3, 2, 1)
+    assert row["merged_grains"] == 1 and row["split_grains"] == 0
+    assert row["grain_count_error"] == -1 and row["grain_unit"] == "mm"
+    assert row["object_f1"] == pytest.approx(2 * 1 / 5)
+    assert figures["object_f1"] == pytest.approx(0.4) and figures["d50_error"] > 0
+    assert "object F1 0.4000" in out and "1 merged" in out
+    table = list(csv.DictReader((tmp_path / "eval.csv").open()))
+    assert table[0]["merged_grains"] == "1" and float(table[0]["object_f1"]) == pytest.approx(0.4)
+
+    # without instance maps the label's own watershed is the truth: it finds the 3 balls
+    code, summary, _ = run(tmp_path, capsys, "--instances", tmp_path / "labels_ws")
+    assert code == 2 and summary is None  # no such folder
+    (tmp_path / "instances" / "v.nii.gz").rename(tmp_path / "v_instances.nii.gz")
+    code, summary, _ = run(tmp_path, capsys)
+    assert code == 2 and "no volumes" in capsys.readouterr().err + _
+    (tmp_path / "instances").rmdir()
+    code, summary, _ = run(tmp_path, capsys)
+    assert summary["grains"]["truth"] == "watershed of the labels"
+    assert summary["grains"]["true_grains"] == 3
+    code, summary, _ = run(tmp_path, capsys, "--no-grains")
+    assert code == 0 and "grains" not in summary and "object_f1" not in summary["volumes"][0]
+    assert "object_f1" not in (tmp_path / "eval.csv").read_text()
+
+
+def test_bad_instance_maps_are_named(tmp_path, capsys):
+    mask = np.zeros((6, 8, 8), np.uint8)
+    mask[1:5, 2:6, 2:6] = 1
+    write_pair(tmp_path, "a", mask, mask)
+    write_pair(tmp_path, "b", mask, mask)
+    folder = tmp_path / "inst"
+    folder.mkdir()
+    write_volume(folder / "a.nii.gz", mask.astype(np.float32), VolumeMeta(".nii.gz"))
+    code, _, err = run(tmp_path, capsys, "--instances", folder)
+    assert code == 2 and "b.nii.gz: no instance map b.*" in err
+    write_volume(folder / "b.nii.gz", np.ones((6, 8, 9), np.uint8), VolumeMeta(".nii.gz"))
+    code, _, err = run(tmp_path, capsys, "--instances", folder)
+    assert code == 2
+    assert str(folder / "a.nii.gz") in err and "integer ids" in err
+    assert str(folder / "b.nii.gz") in err and "(6, 8, 9)" in err
+    code, _, err = run(tmp_path, capsys, "--grain-h", "0")
+    assert code == 2 and "--grain-h" in err

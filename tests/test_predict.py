@@ -538,3 +538,20 @@ def test_precision_follows_the_checkpoint_and_the_flags(tmp_path, capsys):
         "O2",
     )
     assert code == 2 and "O2" in err
+
+
+def test_mask_post_processing_is_opt_in(tmp_path, checkpoint, capsys):
+    write_inputs(tmp_path / "in", [(16, 32, 32)], ext=".npy")
+    args = ["--checkpoint", checkpoint, "--input", tmp_path / "in"]
+    assert run(capsys, *args, "--output", tmp_path / "plain")[0] == 0
+    code, _, _ = run(
+        capsys, *args, "--output", tmp_path / "clean", "--min-object-size", 10**6, "--fill-holes"
+    )
+    assert code == 0
+    plain_probs = np.load(tmp_path / "plain" / "vol_00_probs.npy")
+    assert np.array_equal(np.load(tmp_path / "plain" / "vol_00_mask.npy"), plain_probs > 0.5)
+    # every object is under 10**6 voxels: all removed; the probabilities are untouched
+    assert not np.load(tmp_path / "clean" / "vol_00_mask.npy").any()
+    assert np.array_equal(np.load(tmp_path / "clean" / "vol_00_probs.npy"), plain_probs)
+    code, _, err = run(capsys, *args, "--output", tmp_path / "bad", "--min-object-size", -1)
+    assert code == 2 and "--min-object-size" in err
