@@ -224,24 +224,6 @@ def binarize_prediction(array: np.ndarray, path: Path) -> np.ndarray:
     return binarize_label(array, path).astype(bool)
 
 
-def true_grains(pair: Pair, label: np.ndarray, params: grains.GrainParams, spacing) -> np.ndarray:
-    """The true grain instances: the pair's instance map, else the label's watershed."""
-    if pair.instances is None:
-        return grains.split_grains(label, params, spacing)
-    raw, _ = read_volume(pair.instances)
-    if raw.shape != label.shape:
-        raise VolumeError(
-            f"{pair.instances}: shape {raw.shape} differs from its label {pair.label} "
-            f"with shape {label.shape}"
-        )
-    if raw.dtype.kind not in "biu" or (raw.dtype.kind == "i" and raw.min() < 0):
-        raise VolumeError(
-            f"{pair.instances}: an instance map holds non-negative integer ids, got dtype "
-            f"{raw.dtype}" + (f" with minimum {raw.min()}" if raw.dtype.kind == "i" else "")
-        )
-    return grains.drop_small(raw.astype(np.int64), params.min_size)
-
-
 def grain_scores(
     pred: np.ndarray, truth: np.ndarray, params: grains.GrainParams, spacing, unit: str
 ) -> dict[str, Any]:
@@ -291,7 +273,7 @@ def evaluate_pair(
         "hd95_unit": unit,
     }
     if grain_params is not None:
-        truth = true_grains(pair, label, grain_params, spacing)
+        truth = grains.true_instances(label, pair.label, pair.instances, grain_params, spacing)
         row.update(grain_scores(pred, truth, grain_params, spacing, unit))
     return row
 

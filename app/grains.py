@@ -175,6 +175,38 @@ def clean_mask(mask: np.ndarray, min_object_size: int = 0, fill_holes: bool = Fa
     return mask
 
 
+def true_instances(
+    label: np.ndarray,
+    label_path: Path,
+    instances_path: Path | None,
+    params: GrainParams = GrainParams(),
+    spacing: Sequence[float] | None = None,
+) -> np.ndarray:
+    """The true grains of a boolean label: its instance map (grains under ``min_size`` left
+    out), or without one the label's own watershed."""
+    if instances_path is None:
+        return split_grains(label, params, spacing)
+    raw, _ = read_volume(instances_path)
+    if raw.shape != label.shape:
+        raise VolumeError(
+            f"{instances_path}: shape {raw.shape} differs from its label {label_path} "
+            f"with shape {label.shape}"
+        )
+    if raw.dtype.kind not in "biu" or (raw.dtype.kind == "i" and raw.min() < 0):
+        raise VolumeError(
+            f"{instances_path}: an instance map holds non-negative integer ids, got dtype "
+            f"{raw.dtype}" + (f" with minimum {raw.min()}" if raw.dtype.kind == "i" else "")
+        )
+    return drop_small(raw.astype(np.int64), params.min_size)
+
+
+def instance_maps(folder: Path) -> dict[str, Path]:
+    """``NAME -> file`` of the instance maps in ``folder`` (empty when there is none)."""
+    if not folder.is_dir():
+        return {}
+    return {split_ext(p)[0]: p for p in sorted(folder.iterdir()) if is_volume_file(p)}
+
+
 # ----------------------------------------------------------------------------- properties
 def grain_table(
     instances: np.ndarray,

@@ -8,6 +8,13 @@
   prediction outline in two colours, the volume's Dice in the title. The prediction is the one
   ``app.predict`` makes (same checkpoint, preprocessing, windows and threshold), so the Dice is
   the one the trainer reports for that volume.
+- ``grains_NAME.png`` for the same volumes (unless ``--no-grains``): the predicted mask split into
+  grains (:mod:`app.grains`), each grain in its own colour, with the ground-truth outline; the
+  title gives the object F1 against the true grains (the split's ``instances/`` maps when there
+  are, else the label's watershed), merges and splits.
+- ``psd.png``: the size distributions of the predicted and the true grains of those volumes
+  (histogram by number, cumulative by volume). ``psd.png`` and the grain montages also go to the
+  run's TensorBoard, under ``report/``.
 
 :func:`montage_figure` also draws the montage TensorBoard shows at each validation
 (``app.tracking``). Figures are drawn with matplotlib's Agg canvas (no display needed) and
@@ -26,6 +33,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from app import grains
 from app.atomic import atomic_write_bytes
 from app.checkpoint import CheckpointError
 from app.config import ConfigError
@@ -35,10 +43,11 @@ from app.precision import sigmoid
 from app.predict import HelpFormatter, load_predictor
 from app.tracking import read_metrics
 from app.validation import pick_slices
-from app.volume_io import VolumeError
+from app.volume_io import VolumeError, read_volume, voxel_spacing
 
 GROUND_TRUTH_COLOUR = "#00d0ff"  # cyan and orange: apart for the common colour blindnesses
 PREDICTION_COLOUR = "#ff8c00"
+GRAIN_ALPHA = 0.45
 PANEL_INCHES = 2.4
 DPI = 100
 
@@ -64,6 +73,14 @@ def _png(fig) -> bytes:
     return buffer.getvalue()
 
 
+def grain_colours(instances: np.ndarray) -> np.ndarray:
+    """RGBA ``(..., 4)`` float image: each grain id a random bright colour, background clear."""
+    palette = np.random.default_rng(0).uniform(0.2, 1.0, (int(instances.max()) + 1, 4))
+    palette[:, 3] = GRAIN_ALPHA
+    palette[0] = 0.0
+    return palette[instances]
+
+
 def montage_figure(
     image: np.ndarray,
     label: np.ndarray,
@@ -71,12 +88,15 @@ def montage_figure(
     title: str,
     n_slices: int = 8,
     z_labels: list[int] | None = None,
+    instances: np.ndarray | None = None,
 ) -> np.ndarray:
     """RGB ``(H, W, 3)`` uint8 montage of up to ``n_slices`` z-slices of ``(D, H, W)`` arrays.
 
     Slices are evenly spaced through the z-range holding foreground (label or prediction);
     ``z_labels`` names the slices of a stack that is itself a subset of a volume (the
-    TensorBoard sample); otherwise a slice is named by its index.
+    TensorBoard sample); otherwise a slice is named by its index. With ``instances`` (the
+    prediction's grains) the grains are filled, one colour each, instead of the prediction's
+    outline.
     """
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -115,14 +135,21 @@ def montage_figure(
             interpolation="nearest",
             aspect="auto",
         )
-        for mask, colour in ((label[z], GROUND_TRUTH_COLOUR), (prediction[z], PREDICTION_COLOUR)):
+        outlines = [(label[z], GROUND_TRUTH_COLOUR)]
+        if instances is None:
+            outlines.append((prediction[z], PREDICTION_COLOUR))
+        else:
+            ax.imshow(grain_colours(instances[z]), interpolation="nearest", aspect="auto")
+        for mask, colour in outlines:
             if mask.any() and not mask.all():  # a contour needs both sides of the level
                 ax.contour(mask.astype(np.float32), levels=[0.5], colors=[colour], linewidths=1.2)
         ax.set_title(f"z = {names[z]}", fontsize=8, pad=3)
         ax.set_axis_off()
     handles = [
         Line2D([], [], color=GROUND_TRUTH_COLOUR, lw=2, label="ground truth"),
-        Line2D([], [], color=PREDICTION_COLOUR, lw=2, label="prediction"),
+        Line2D([], [], color=PREDICTION_COLOUR, lw=2, label="prediction")
+        if instances is None
+        else Line2D([], [], color="#b0b0b0", lw=6, alpha=0.8, label="predicted grains"),
     ]
     fig.legend(
         handles=handles,
@@ -237,16 +264,21 @@ def write_montages(
     volumes: int,
     n_slices: int,
     device: str,
-) -> list[tuple[Path, float]]:
+    grain_params: grains.GrainParams | None,
+) -> list[tuple[Path, str]]:
+    """Montages (and grain montages and ``psd.png`` unless ``grain_params`` is None) of the
+    first ``volumes`` val volumes; returns each file written with a caption."""
     import torch
 
     predictor = load_predictor(checkpoint, _device(device))
     root = Path(data_root or run_config(run_dir).get("data_root") or predictor.cfg.data_root)
     if not root.is_dir():
         raise ReportError(f"{root}: data root of the run is missing; pass --data-root")
-    written = []
+    val = root / SPLITS["val"]
+    maps = grains.instance_maps(val / "instances")
+    written, diameters, units = [], {"predicted": [], "true": []}, set()
     rng = np.random.default_rng(0)
-    for name, image_path, label_path in pair_files(root / SPLITS["val"])[:volumes]:
+    for name, image_path, label_path in pair_files(val)[:volumes]:
         vol = load_volume_pair(name, image_path, label_path, predictor.normalization, rng)
         logits = predictor.logits(vol.image)
         counts = confusion_counts(logits, torch.as_tensor(vol.label, device=logits.device))
@@ -256,8 +288,55 @@ def write_montages(
         rgb = montage_figure(vol.image, vol.label, prediction, title, n_slices)
         path = out_dir / f"montage_{name}.png"
         atomic_write_bytes(path, png_bytes(rgb))
-        written.append((path, dice))
+        written.append((path, f"Dice {dice:.4f}"))
+        if grain_params is None:
+            continue
+        spacing, unit = voxel_spacing(read_volume(label_path)[1])
+        predicted = grains.split_grains(prediction, grain_params, spacing)
+        truth = grains.true_instances(
+            vol.label > 0, label_path, maps.get(name), grain_params, spacing
+        )
+        match = grains.match_grains(predicted, truth)
+        caption = (
+            f"object F1 {match.scores['object_f1']:.3f}, {match.n_pred} grains predicted, "
+            f"{match.n_true} true, {match.merged} merged, {match.split} split"
+        )
+        rgb = montage_figure(
+            vol.image, vol.label, prediction, f"{name}: {caption}", n_slices, instances=predicted
+        )
+        path = out_dir / f"grains_{name}.png"
+        atomic_write_bytes(path, png_bytes(rgb))
+        written.append((path, caption))
+        diameters["predicted"].append(grains.equivalent_diameters(predicted, spacing))
+        diameters["true"].append(grains.equivalent_diameters(truth, spacing))
+        units.add(unit)
+    if grain_params is not None and written:
+        pooled = {k: np.concatenate(v) for k, v in diameters.items()}
+        truth_source = "instance maps" if maps else "watershed of the labels"
+        unit = units.pop() if len(units) == 1 else "mixed units"
+        fig = grains.psd_figure(
+            pooled,
+            unit,
+            f"{run_dir.name}: grain sizes, {len(diameters['true'])} val volume(s), "
+            f"true grains from the {truth_source}",
+        )
+        path = out_dir / "psd.png"
+        atomic_write_bytes(path, grains.figure_png(fig))
+        errors = grains.distribution_error(pooled["predicted"], pooled["true"])
+        d50 = errors["d50_error"]
+        written.append((path, "d50 error " + ("n/a" if d50 is None else f"{d50:+.3g} {unit}")))
     return written
+
+
+def log_to_tensorboard(run_dir: Path, pictures: list[Path], step: int) -> None:
+    """The grain pictures into the run's TensorBoard, under ``report/``."""
+    from matplotlib.image import imread
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(run_dir / "tensorboard")) as writer:
+        for path in pictures:
+            rgb = (imread(path)[..., :3] * 255).astype(np.uint8)
+            writer.add_image(f"report/{path.stem}", rgb, step, dataformats="HWC")
 
 
 def png_bytes(rgb: np.ndarray) -> bytes:
@@ -282,7 +361,11 @@ Pictures of a training run, in RUN_DIR/report/:
   curves.png          loss, Dice, IoU, learning rate and throughput per epoch
   montage_NAME.png    for the first --volumes validation volumes: z-slices with the
                       ground-truth and predicted outlines and the volume's Dice
-                      (predicted as app.predict does, with the run's checkpoint)""",
+                      (predicted as app.predict does, with the run's checkpoint)
+  grains_NAME.png     the same slices with the predicted grains, one colour each,
+                      and the object F1, merges and splits (see app.grains)
+  psd.png             predicted and true grain size distributions of those volumes
+The grain pictures also go to the run's TensorBoard, under report/.""",
         formatter_class=HelpFormatter,
     )
     parser.add_argument(
@@ -306,6 +389,9 @@ Pictures of a training run, in RUN_DIR/report/:
     )
     parser.add_argument("--slices", metavar="N", type=int, default=8, help="z-slices per montage")
     parser.add_argument(
+        "--no-grains", action="store_true", help="no grain montages, size distribution or logging"
+    )
+    parser.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
         default="auto",
@@ -325,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir.mkdir(exist_ok=True)
         print(f"wrote {write_curves(args.run_dir, out_dir)}")
         if args.volumes:
-            for path, dice in write_montages(
+            written = write_montages(
                 args.run_dir,
                 out_dir,
                 checkpoint_path(args.run_dir, args.checkpoint),
@@ -333,9 +419,23 @@ def main(argv: list[str] | None = None) -> int:
                 args.volumes,
                 args.slices,
                 args.device,
-            ):
-                print(f"wrote {path} (Dice {dice:.4f})")
-    except (ReportError, CheckpointError, ConfigError, DataError, VolumeError, OSError) as exc:
+                None if args.no_grains else grains.GrainParams(),
+            )
+            for path, caption in written:
+                print(f"wrote {path} ({caption})")
+            pictures = [p for p, _ in written if not p.name.startswith("montage_")]
+            if pictures:
+                last_epoch = read_metrics(args.run_dir / "metrics.jsonl")[-1]["epoch"]
+                log_to_tensorboard(args.run_dir, pictures, last_epoch)
+    except (
+        ReportError,
+        CheckpointError,
+        ConfigError,
+        DataError,
+        VolumeError,
+        grains.GrainError,
+        OSError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -70,11 +70,18 @@ def test_report_of_a_trained_run(trained_run, capsys):
     out = capsys.readouterr().out
     folder = trained_run / "report"
     names = sorted(p.name for p in folder.iterdir())
-    assert names == ["curves.png", "montage_vol_00.png", "montage_vol_01.png"]
+    assert names == [
+        "curves.png",
+        "grains_vol_00.png",
+        "grains_vol_01.png",
+        "montage_vol_00.png",
+        "montage_vol_01.png",
+        "psd.png",
+    ]
     for name in names:
         picture = imread(folder / name)
         assert picture.ndim == 3 and picture.shape[0] > 200 and picture.shape[1] > 500
-    assert "Dice" in out
+    assert "Dice" in out and "object F1" in out and "d50 error" in out
 
     dice = [
         float(line.split("Dice ")[1].rstrip(")")) for line in out.splitlines() if "montage_" in line
@@ -91,9 +98,30 @@ def test_tensorboard_gets_one_montage_per_validation(trained_run):
     events = EventAccumulator(str(trained_run / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
     tags = events.Tags()["images"]
-    assert tags == ["val/vol_00"]
+    assert [t for t in tags if t.startswith("val/")] == ["val/vol_00"]
     assert [e.step for e in events.Images("val/vol_00")] == [1, 2]
     assert events.Images("val/vol_00")[0].width == 1000
+
+
+def test_report_logs_its_grain_pictures_to_tensorboard(trained_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert report.main([str(trained_run), "--volumes", "1", "--device", "cpu"]) == 0
+    events = EventAccumulator(str(trained_run / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    tags = events.Tags()["images"]
+    assert {"report/psd", "report/grains_vol_00"} <= set(tags)
+    assert events.Images("report/psd")[-1].step == 2  # the run's last epoch
+
+
+def test_grain_montage_fills_each_grain_with_its_colour():
+    image, label = blob_volume((8, 32, 32), np.random.default_rng(2))
+    instances = np.zeros(label.shape, np.int32)
+    instances[:, 4:12, 4:12], instances[:, 16:28, 16:28] = 1, 2
+    rgb = report.montage_figure(image, label, label, "grains", 4, instances=instances)
+    colours = report.grain_colours(np.array([1, 2]))
+    assert not np.allclose(colours[0], colours[1]) and report.grain_colours(np.array(0))[3] == 0
+    assert not colour_present(rgb[:-35], report.PREDICTION_COLOUR)  # filled, not outlined
 
 
 def test_report_errors(tmp_path, capsys):
