@@ -62,9 +62,10 @@ def tiled(mask: np.ndarray, side: int) -> np.ndarray:
 
 def cmd_scale(args: argparse.Namespace) -> None:
     print(header("scale"))
-    volume = synthetic().make_grain_volume((74, 320, 320), np.random.default_rng(args.seed))
+    shape = tuple(args.shape)
+    volume = synthetic().make_grain_volume(shape, np.random.default_rng(args.seed))
     truth = grains.drop_small(volume.instances.astype(np.int64), grains.GrainParams().min_size)
-    cases = [("74x320x320", volume.label > 0, truth)]
+    cases = [("x".join(map(str, shape)), volume.label > 0, truth)]
     cases += [(f"{s}^3", tiled(volume.label > 0, s), None) for s in args.cubes]
     print(
         f"{'volume':>12} {'Mvoxels':>8} {'grains':>7} {'split s':>8} {'table s':>8} "
@@ -105,6 +106,14 @@ def cmd_params(args: argparse.Namespace) -> None:
         f"{'h':>5} {'smooth':>6} {'pred':>6} {'true':>6} {'merged':>7} {'split':>6} "
         f"{'object F1':>9}"
     )
+    n = np.zeros(5, dtype=int)
+    for v in volumes:  # no watershed: every connected component is one grain
+        min_size = grains.GrainParams().min_size
+        found = grains.drop_small(grains.label_components(v.label > 0, connectivity=1), min_size)
+        m = grains.match_grains(found, grains.drop_small(v.instances.astype(np.int64), min_size))
+        n += (m.n_pred, m.n_true, m.matched, m.merged, m.split)
+    f1 = grains.object_scores(n[2], n[0], n[1])["object_f1"]
+    print(f"{'components only':>12} {n[0]:6d} {n[1]:6d} {n[3]:7d} {n[4]:6d} {f1:9.4f}")
     for smooth in args.smooth:
         for h in args.h:
             params = grains.GrainParams(h=h, smooth=smooth)
@@ -123,7 +132,6 @@ def cmd_postprocess(args: argparse.Namespace) -> None:
 
     from app.data import SPLITS, load_volume_pair, pair_files
     from app.predict import THRESHOLD, load_predictor
-    from app.volume_io import read_volume
 
     print(header("postprocess"))
     checkpoint = args.run / "checkpoints" / f"{args.checkpoint}.pt"
@@ -131,15 +139,16 @@ def cmd_postprocess(args: argparse.Namespace) -> None:
     root = Path(args.data_root or predictor.cfg.data_root)
     val = root / SPLITS["val"]
     rng = np.random.default_rng(0)
+    maps = grains.instance_maps(val / "instances")
+    params = grains.GrainParams()
     cases = []
     for name, image_path, label_path in pair_files(val):
         vol = load_volume_pair(name, image_path, label_path, predictor.normalization, rng)
-        instances_path = next((val / "instances").glob(f"{name}.*"))
-        truth = read_volume(instances_path)[0].astype(np.int64)
+        truth = grains.true_instances(vol.label > 0, label_path, maps.get(name), params)
         cases.append((predictor.probabilities(vol.image) > THRESHOLD, vol.label > 0, truth))
-    print(f"{checkpoint} on {len(cases)} val volumes of {val}")
+    source = "instance maps" if maps else "watershed of the labels"
+    print(f"{checkpoint} on {len(cases)} val volumes of {val}; true grains: {source}")
     print(f"{'clean-up':>24} {'Dice':>7} {'object F1':>9} {'merged':>7} {'split':>6}")
-    params = grains.GrainParams()
     for min_size in args.min_sizes:
         for fill in (False, True):
             tp = fp = fn = matched = n_pred = n_true = merged = split = 0
@@ -148,9 +157,7 @@ def cmd_postprocess(args: argparse.Namespace) -> None:
                 tp += int((mask & label).sum())
                 fp += int((mask & ~label).sum())
                 fn += int((~mask & label).sum())
-                m = grains.match_grains(
-                    grains.split_grains(mask, params), grains.drop_small(truth, params.min_size)
-                )
+                m = grains.match_grains(grains.split_grains(mask, params), truth)
                 matched, n_pred, n_true = matched + m.matched, n_pred + m.n_pred, n_true + m.n_true
                 merged, split = merged + m.merged, split + m.split
             f1 = grains.object_scores(matched, n_pred, n_true)["object_f1"]
@@ -162,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     scale = sub.add_parser("scale", help="time per volume size")
-    scale.add_argument("--cubes", type=int, nargs="*", default=[128, 256, 512])
+    scale.add_argument("--shape", type=int, nargs=3, default=[74, 320, 320], help="generated")
+    scale.add_argument("--cubes", type=int, nargs="*", default=[128, 256, 512], help="tiled")
     scale.add_argument("--repeats", type=int, default=3)
     scale.add_argument("--seed", type=int, default=1)
     params = sub.add_parser("params", help="splitting parameters against the truth")

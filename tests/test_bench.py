@@ -201,3 +201,32 @@ def test_gpu_check_apex_functions_with_the_recording_standin(monkeypatch, tmp_pa
     names = [c[0] for c in calls]
     assert names.count("amp.initialize") == 2 and "amp.load_state_dict" in names
     assert names.count("amp.scale_loss") == 4  # 3 steps, then 1 after the restore
+
+
+def test_grains_bench_scales_and_sweeps(capsys):
+    bench_grains = load("bench_grains", "bench/grains.py")
+    argv = ["scale", "--shape", "16", "48", "48", "--cubes", "40", "--repeats", "1"]
+    assert bench_grains.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "grains scale:" in out and rows(out, [["16x48x48"], ["40^3"]]).keys() == {
+        "16x48x48",
+        "40^3",
+    }
+    argv = ["params", "--shape", "16", "48", "48", "--n", "1", "--h", "0.2", "--smooth", "1"]
+    assert bench_grains.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "components only" in out and "<- default" in out
+
+
+def test_grains_bench_scores_the_clean_ups_of_a_run(tmp_path, capsys):
+    from conftest import train_tiny, write_dataset
+
+    bench_grains = load("bench_grains", "bench/grains.py")
+    run = train_tiny(write_dataset(tmp_path / "data", n_train=2, n_val=1), tmp_path / "run")
+    capsys.readouterr()
+    assert bench_grains.main(["postprocess", "--run", str(run), "--min-sizes", "0", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "true grains: watershed of the labels" in out
+    table = rows(out, [["min"]])
+    assert len(out.splitlines()) >= 6 and table  # 2 sizes x fill holes or not
+    assert re.search(r"min 10 \+ fill holes +[01]\.\d{4} +[01]\.\d{4}", out)

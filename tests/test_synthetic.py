@@ -125,6 +125,12 @@ def test_generate_layout_and_pairing(tmp_path, fmt):
     np.testing.assert_array_equal(
         _read(tmp_path / "val_patches/labels" / f"grain_000.{fmt}"), label
     )
+    # the instance map beside them: one id per grain, 1..N, exactly where the label is
+    instances = _read(tmp_path / "val_patches/instances" / f"grain_000.{fmt}")
+    assert instances.dtype == np.uint16 and instances.shape == SHAPE
+    np.testing.assert_array_equal(instances > 0, label > 0)
+    assert np.array_equal(np.unique(instances), np.arange(instances.max() + 1))
+    assert instances.max() > 10
 
 
 def test_nifti_header_has_voxel_spacing(tmp_path):
