@@ -483,6 +483,13 @@ by number and by volume, per volume and pooled) and psd.png (size distribution).
         help="distance-map dip (voxels) that separates two touching grains",
     )
     parser.add_argument(
+        "--smooth",
+        type=float,
+        default=GrainParams.smooth,
+        metavar="S",
+        help="Gaussian sigma (voxels) on the distance map before seeding (0: none)",
+    )
+    parser.add_argument(
         "--spacing",
         choices=["header", "voxel"],
         default="header",
@@ -502,7 +509,7 @@ by number and by volume, per volume and pooled) and psd.png (size distribution).
 def analyse(args: argparse.Namespace) -> dict[str, Any]:
     from app.volume_io import write_volume
 
-    params = GrainParams(args.min_size, args.h)
+    params = GrainParams(args.min_size, args.h, args.smooth)
     masks = list_masks(args.input)
     if args.images is not None and not args.images.is_dir():
         raise GrainError(f"--images {args.images}: no such folder")
@@ -514,6 +521,8 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
     missing = [name for name, _ in masks if args.images and name not in images]
     if missing:
         raise GrainError(f"--images {args.images}: no image for {', '.join(missing)}")
+    if args.input.is_dir() and args.output.resolve() == args.input.resolve():
+        raise GrainError(f"--output {args.output}: is the input folder; choose another folder")
     outputs = [args.output / "grains.json", args.output / "psd.png"]
     outputs += [args.output / f"{name}_grains.csv" for name, _ in masks]
     if args.save_instances:
@@ -529,7 +538,7 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
     except OSError as exc:
         raise GrainError(f"--output {args.output}: cannot create ({exc.strerror or exc})") from exc
 
-    volumes, pooled, units = [], [], set()
+    volumes, pooled, pooled_voxels, units = [], [], [], set()
     for name, path in masks:
         array, meta = read_volume(path)
         mask = as_mask(array, path, args.threshold)
@@ -552,18 +561,23 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
             {"name": name, "mask": str(path), "unit": unit, **size_distribution(diameters)}
         )
         pooled.append(diameters)
+        pooled_voxels.append(table["diameter_voxels"])
         units.add(unit)
-        print(f"{name}: {table['grain'].size} grains, d50 {volumes[-1]['by_number']['d50']} {unit}")
-    unit = units.pop() if len(units) == 1 else "mixed units"
+        d50 = volumes[-1]["by_number"]["d50"]
+        shown = "n/a" if d50 is None else f"{d50:.3g}"
+        print(f"{name}: {table['grain'].size} grains, d50 by number {shown} {unit}")
+    if len(units) > 1:  # mm here, voxels there: only voxels pool
+        units, pooled = {"voxel"}, pooled_voxels
+    unit, diameters = units.pop(), np.concatenate(pooled)
     summary = {
         "input": str(args.input),
         "params": asdict(params),
         "threshold": args.threshold,
         "unit": unit,
-        "pooled": size_distribution(np.concatenate(pooled)),
+        "pooled": size_distribution(diameters),
         "volumes": volumes,
     }
-    fig = psd_figure({"grains": np.concatenate(pooled)}, unit, f"grain sizes: {args.input}")
+    fig = psd_figure({"grains": diameters}, unit, f"grain sizes: {args.input}")
     atomic_write_bytes(args.output / "psd.png", figure_png(fig))
     atomic_write_bytes(args.output / "grains.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary

@@ -200,3 +200,21 @@ def test_clean_mask_removes_specks_and_fills_cavities():
     assert cleaned.sum() == mask.sum() - 4
     filled = grains.clean_mask(mask, min_object_size=5, fill_holes=True)
     assert filled.sum() == 7**3 and filled[4:11, 4:11, 4:11].all()
+
+
+def test_cli_pools_mixed_units_in_voxels_and_keeps_out_of_its_input(tmp_path, capsys):
+    truth = spheres((20, 30, 44), [(10, 15, 12), (10, 15, 27)], [6.0, 7.0])
+    mask = (truth > 0).astype(np.uint8)
+    (tmp_path / "pred").mkdir()
+    nifti = VolumeMeta(".nii.gz", affine=np.diag([0.01, 0.01, 0.01, 1.0]))
+    write_volume(tmp_path / "pred" / "a_mask.nii.gz", mask, nifti)
+    write_volume(tmp_path / "pred" / "b_mask.npy", mask, VolumeMeta(".npy"))
+    out = tmp_path / "out"
+    assert grains.main(["--input", str(tmp_path / "pred"), "--output", str(out)]) == 0
+    summary = json.loads((out / "grains.json").read_text())
+    assert [v["unit"] for v in summary["volumes"]] == ["mm", "voxel"]
+    assert summary["unit"] == "voxel" and summary["pooled"]["count"] == 4
+    assert summary["pooled"]["by_number"]["d90"] > 10  # voxels, not mm
+    pred = str(tmp_path / "pred")
+    assert grains.main(["--input", pred, "--output", pred]) == 2
+    assert "input folder" in capsys.readouterr().err
