@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.atomic import atomic_write
+from app.atomic import atomic_write, os_cause
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = (
@@ -53,7 +53,11 @@ def save_checkpoint(path: Path | str, state: dict[str, Any]) -> None:
             f"{path}: not written, the model's {', '.join(bad[:3])}"
             f"{' and more' if len(bad) > 3 else ''} hold NaN or Inf; the previous file is kept"
         )
-    atomic_write(path, lambda f: torch.save(state, f))
+    try:
+        atomic_write(path, lambda f: torch.save(state, f))
+    except OSError as exc:  # a full or read-only disk: the atomic write kept the old file
+        kept = f"the previous {Path(path).name} is kept" if Path(path).is_file() else "none kept"
+        raise CheckpointError(f"{path}: checkpoint not written: {os_cause(exc)}; {kept}") from exc
 
 
 def load_checkpoint(path: Path | str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from app.atomic import os_cause
 from app.augment import Augment
 from app.volume_io import EXTENSIONS, VolumeError, is_volume_file, read_volume, split_ext
 
@@ -162,7 +163,11 @@ def pair_files(split_dir: Path) -> list[tuple[str, Path, Path]]:
 
     def index(folder: Path) -> dict[str, Path]:
         found: dict[str, Path] = {}
-        for path in sorted(folder.iterdir()):
+        try:
+            paths = sorted(folder.iterdir())
+        except OSError as exc:
+            raise DataError(f"{folder}: cannot list this folder: {os_cause(exc)}") from exc
+        for path in paths:
             if not is_volume_file(path):
                 continue
             name = split_ext(path)[0]

@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, MultiStepLR
 from torch.utils.data import DataLoader, DistributedSampler
 
-from app.atomic import atomic_write_bytes
+from app.atomic import atomic_write_bytes, os_cause
 from app.autotune import Decision, decide
 from app.checkpoint import (
     CheckpointError,
@@ -38,11 +38,11 @@ from app.config import Config, ConfigError, load_config_and_given, save_config
 from app.data import DataError, Normalization, PatchDataset, load_train_val
 from app.distributed import (
     DistEnv,
-    barrier,
     broadcast_buffers,
     broadcast_object,
     distributed_session,
     prepare,
+    run_on_primary,
     unwrap,
 )
 from app.ema import WeightAverage, inference_weights
@@ -51,6 +51,7 @@ from app.losses import BCEDiceLoss
 from app.model import build_model
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
 from app.precision import Precision, build_precision
+from app.preflight import check_data_root, check_output_dir
 from app.steps import NonFiniteError, build_optimizer, check_steps_taken, train_one_epoch
 from app.tracking import make_tracker
 from app.validation import EvalResult, ValidationCadence, evaluate
@@ -58,6 +59,7 @@ from app.volume_io import VolumeError
 
 log = logging.getLogger("app.train")
 USER_ERRORS = (ConfigError, DataError, VolumeError, CheckpointError, NonFiniteError)
+WRITE_ERRORS = (OSError, CheckpointError)  # what rank 0's writes at the end of an epoch raise
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRScheduler:
@@ -117,6 +119,46 @@ def checkpoint_state(
         "plan": dataclasses.asdict(plan) if plan else None,
         "rng": rng_state(),
     }
+
+
+@dataclasses.dataclass
+class Saver:
+    """What every checkpoint holds besides the epoch's figures; rank 0 writes."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    precision: Precision
+    normalization: Normalization
+    resolved: dict[str, Any]
+    plan: Plan | None
+    average: WeightAverage | None
+
+    def state(self, epoch: int, best_dice: float, record: dict, cfg: Config) -> dict[str, Any]:
+        return checkpoint_state(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.precision,
+            epoch,
+            best_dice,
+            record,
+            cfg,
+            self.normalization,
+            self.resolved,
+            self.plan,
+            self.average,
+        )
+
+    def end_of_epoch(
+        self, tracker, record: dict, sample, cfg: Config, best_dice: float, improved: bool
+    ) -> None:
+        """The epoch's metrics, then ``last.pt`` (and ``best.pt`` when it improved)."""
+        tracker.log_epoch(record, sample)
+        state = self.state(record["epoch"], best_dice, record, cfg)
+        save_checkpoint(checkpoint_dir(cfg.run_dir) / "last.pt", state)
+        if improved:
+            save_checkpoint(checkpoint_dir(cfg.run_dir) / "best.pt", state)
 
 
 def restore(
@@ -289,6 +331,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     which ``--plan auto`` keeps."""
     # fixed patch and window sizes: let cuDNN pick the fastest 3D convolution algorithms once
     torch.backends.cudnn.benchmark = env.device.type == "cuda"
+    run_on_primary((ConfigError, DataError), preflight, settings)
     # decided on the primary rank so that every rank resumes from the same file
     resume_from = broadcast_object(
         resume_path(settings.resume, settings.run_dir) if env.is_primary else None
@@ -355,19 +398,16 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     if cfg.eval_only:
         evaluated.load_state_dict(inference_weights(resumed))  # the weights app.predict uses
         result, _ = run_evaluation(evaluated, val_volumes, loss_fn, precision, env, cfg)
+        report = cfg.run_dir / "eval.json"
+        run_on_primary((OSError,), write_eval_report, report, result, start_epoch)
         if env.is_primary:
-            cfg.run_dir.mkdir(parents=True, exist_ok=True)
-            write_eval_report(cfg.run_dir / "eval.json", result, start_epoch)
             log.info("eval of epoch %d: %s", start_epoch, result.summary())
         return result.summary()
 
     floor = classical_floor(train_volumes, val_volumes) if env.is_primary else None
     tracker = make_tracker(cfg, env, start_epoch)
-    if env.is_primary:
-        resolved = decision.to_dict() | ({"plan": plan.reasons} if plan else {})
-        save_config(settings, cfg.run_dir / "config.yaml", resolved=resolved)
-        for path in remove_stale_temporaries(checkpoint_dir(cfg.run_dir)):
-            log.info("removed %s, left by a checkpoint write that was interrupted", path)
+    resolved = decision.to_dict() | ({"plan": plan.reasons} if plan else {})
+    run_on_primary((OSError,), start_run_dir, settings, cfg, resolved)
     record: dict[str, Any] = {}
     if start_epoch >= cfg.epochs:
         log.info(
@@ -377,6 +417,9 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             cfg.epochs,
             resumed_metrics,
         )
+    saver = Saver(
+        model, optimizer, scheduler, precision, normalization, decision.to_dict(), plan, average
+    )
     cadence = ValidationCadence(cfg.val_every, cfg.epochs, start_epoch, cfg.val_share)
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         sampler.set_epoch(epoch)
@@ -415,7 +458,6 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             voxels_per_s=voxels / train_time,
             world_size=env.world_size,
         )
-        tracker.log_epoch(record, sample)
         if plan is not None and epoch == REFIT_EPOCH:
             refitted = refit_plan_to_epoch(plan, settings, given, train_time, epoch)
             if refitted is not None:  # the patches of the epochs left; nothing else changes
@@ -428,25 +470,10 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
 
         improved = record.get("dice", -1.0) > best_dice
         best_dice = max(best_dice, record.get("dice", -1.0))
-        if env.is_primary:
-            state = checkpoint_state(
-                model,
-                optimizer,
-                scheduler,
-                precision,
-                epoch,
-                best_dice,
-                record,
-                cfg,
-                normalization,
-                decision.to_dict(),
-                plan,
-                average,
-            )
-            save_checkpoint(checkpoint_dir(cfg.run_dir) / "last.pt", state)
-            if improved:
-                save_checkpoint(checkpoint_dir(cfg.run_dir) / "best.pt", state)
-        barrier()  # no rank races ahead of a checkpoint it may need to resume from
+        # a full disk stops every rank, not only the one writing
+        run_on_primary(
+            WRITE_ERRORS, saver.end_of_epoch, tracker, record, sample, cfg, best_dice, improved
+        )
 
     tracker.finish(record)
     if env.is_primary and record:
@@ -458,6 +485,23 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             record.get("iou", float("nan")),
         )
     return record
+
+
+def preflight(settings: Config) -> None:
+    check_output_dir(settings.run_dir)
+    check_data_root(Path(settings.data_root))
+
+
+def start_run_dir(settings: Config, cfg: Config, resolved: dict[str, Any]) -> None:
+    save_config(settings, cfg.run_dir / "config.yaml", resolved=resolved)
+    for path in remove_stale_temporaries(checkpoint_dir(cfg.run_dir)):
+        log.info("removed %s, left by a checkpoint write that was interrupted", path)
+
+
+def io_error_line(exc: OSError, cfg: Config | None) -> str:
+    """One line for an I/O error that no check caught earlier (a disk filling up mid-run)."""
+    where = exc.filename or (f"--output-dir {cfg.output_dir}" if cfg else "a file")
+    return f"{where}: {os_cause(exc)}"
 
 
 def setup_logging(rank: int) -> None:
@@ -478,6 +522,7 @@ def log_versions() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging(int(os.environ.get("RANK", "0") or 0))
+    cfg = None
     try:
         cfg, given = load_config_and_given(argv)
         with distributed_session(cfg) as env:
@@ -486,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
             train(cfg, env, given)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the last good checkpoint is intact: writes are atomic
+        print(f"error: {io_error_line(exc, cfg)}", file=sys.stderr)
         return 2
     return 0
 
