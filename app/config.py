@@ -186,6 +186,13 @@ class Config:
         20, "steps between progress-bar loss refreshes (one host sync each)", "run"
     )
     log_images: bool = _opt(True, "write slice images to TensorBoard at each validation", "run")
+    stop_check_every: int = _opt(
+        10,
+        "steps between the ranks' agreement on a stop signal (SIGTERM/SIGINT) or a due "
+        "time-based checkpoint: one all-reduce of two numbers each; a signalled run stops "
+        "within this many steps",
+        "run",
+    )
 
     @property
     def run_dir(self) -> Path:
@@ -345,6 +352,7 @@ def validate(cfg: Config) -> None:
         "log_every",
         "sw_batch_size",
         "dist_timeout_s",
+        "stop_check_every",
     ):
         need(getattr(cfg, name) >= 1, name, "must be at least 1")
     need(cfg.depth >= 2, "depth", "must be at least 2")

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, MultiStepLR
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from app.atomic import atomic_write_bytes, os_cause
 from app.autotune import Decision, decide
@@ -46,11 +47,13 @@ from app.distributed import (
     unwrap,
 )
 from app.ema import WeightAverage, inference_weights
+from app.epoch_position import EpochPosition, ResumableSampler
 from app.floor import Floor, floors_from_volumes
 from app.losses import BCEDiceLoss
 from app.model import build_model
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
 from app.precision import Precision, build_precision
+from app.preemption import CheckpointClock, EpochControl, Preempted, StopSignals
 from app.preflight import check_data_root, check_output_dir
 from app.steps import NonFiniteError, build_optimizer, check_steps_taken, train_one_epoch
 from app.tracking import make_tracker
@@ -133,6 +136,10 @@ class Saver:
     resolved: dict[str, Any]
     plan: Plan | None
     average: WeightAverage | None
+    # what a mid-epoch checkpoint carries of the epochs before it; end_of_epoch updates them
+    cfg: Config
+    best_dice: float = -1.0
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def state(self, epoch: int, best_dice: float, record: dict, cfg: Config) -> dict[str, Any]:
         return checkpoint_state(
@@ -154,11 +161,25 @@ class Saver:
         self, tracker, record: dict, sample, cfg: Config, best_dice: float, improved: bool
     ) -> None:
         """The epoch's metrics, then ``last.pt`` (and ``best.pt`` when it improved)."""
+        self.cfg, self.best_dice, self.record = cfg, best_dice, record
         tracker.log_epoch(record, sample)
         state = self.state(record["epoch"], best_dice, record, cfg)
         save_checkpoint(checkpoint_dir(cfg.run_dir) / "last.pt", state)
         if improved:
             save_checkpoint(checkpoint_dir(cfg.run_dir) / "best.pt", state)
+
+    def mid_epoch(self, position: EpochPosition, rng_per_rank: list) -> None:
+        """``last.pt`` at ``position`` (the epochs before it completed), with every rank's
+        generators; ``best.pt`` is chosen at epochs' ends only."""
+        state = self.state(position.epoch - 1, self.best_dice, self.record, self.cfg)
+        state.update(position=position.to_dict(), rng_per_rank=rng_per_rank)
+        path = checkpoint_dir(self.cfg.run_dir) / "last.pt"
+        save_checkpoint(path, state)
+        log.info("mid-epoch checkpoint %s: epoch %d step %d", path, position.epoch, position.step)
+
+    def write_mid_epoch(self, position: EpochPosition, rng_per_rank: list) -> None:
+        """:meth:`mid_epoch` on rank 0; a failed write stops every rank."""
+        run_on_primary(WRITE_ERRORS, self.mid_epoch, position, rng_per_rank)
 
 
 def restore(
@@ -169,6 +190,8 @@ def restore(
     scheduler: LRScheduler,
     precision: Precision,
     average: WeightAverage | None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[int, float, dict | None]:
     """Load checkpoint ``state`` (read from ``path``) into the prepared objects; returns
     (epoch, best Dice, its metrics)."""
@@ -187,7 +210,7 @@ def restore(
         group["fused"] = fused  # which Adam kernel runs is this run's choice, not saved state
     scheduler.load_state_dict(state["scheduler"])
     precision.load_state_dict(state["precision"])  # after initialize(), as apex requires
-    set_rng_state(state["rng"])
+    set_rng_state(own_rng_state(state, rank, world_size))
     if average is not None:
         if state.get("ema"):
             average.load_state_dict(state["ema"])
@@ -198,6 +221,31 @@ def restore(
         "resumed from %s at epoch %d (best dice %.4f)", path, state["epoch"], state["best_dice"]
     )
     return state["epoch"], state["best_dice"], state.get("metrics")
+
+
+def own_rng_state(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's generators as a mid-epoch checkpoint saved them (every rank's), else rank
+    0's (an end-of-epoch checkpoint, or another world size)."""
+    per_rank = state.get("rng_per_rank") or []
+    return per_rank[rank] if len(per_rank) == world_size else state["rng"]
+
+
+def resume_position(
+    resumed: dict[str, Any] | None, start_epoch: int, sampler: ResumableSampler, cfg: Config
+) -> EpochPosition:
+    """Where the first epoch of this run starts: a mid-epoch checkpoint's step, or step 0."""
+    fresh = EpochPosition(
+        start_epoch + 1, world_size=sampler.num_replicas, batch_size=cfg.batch_size
+    )
+    position = EpochPosition.saved_in(resumed)
+    if position is None:
+        return fresh
+    why = sampler.mismatch(position, cfg.batch_size)
+    if why is not None:
+        log.warning("%s: epoch %d starts again from its first step", why, position.epoch)
+        return fresh
+    log.info("epoch %d continues after step %d", position.epoch, position.step)
+    return position
 
 
 def weight_average(module: nn.Module, cfg: Config) -> WeightAverage | None:
@@ -298,18 +346,25 @@ def fit_plan_to_step(
 
 def patch_loader(
     train_set: PatchDataset, cfg: Config, env: DistEnv
-) -> tuple[DistributedSampler, DataLoader]:
-    sampler = DistributedSampler(
-        train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed
-    )  # same shuffle on every rank
+) -> tuple[ResumableSampler, DataLoader]:
+    sampler = ResumableSampler(train_set, env.world_size, env.rank, cfg.seed)  # same on all ranks
     loader = DataLoader(
         train_set,
         batch_size=cfg.batch_size,
         sampler=sampler,
         num_workers=cfg.num_workers,
         pin_memory=env.device.type == "cuda",
+        worker_init_fn=ignore_stop_signals,
+        # workers' seeds come from here, not from the global generator: a resumed epoch's
+        # loader then leaves the generators where the uninterrupted run had them
+        generator=torch.Generator().manual_seed(cfg.seed),
     )
     return sampler, loader
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A terminal's Ctrl-C reaches DataLoader workers too; only the trainer decides to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def refit_plan_to_epoch(
@@ -325,10 +380,16 @@ def refit_plan_to_epoch(
     return apply_plan(settings, given, plan)
 
 
-def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -> dict[str, Any]:
+def train(
+    settings: Config,
+    env: DistEnv,
+    given: frozenset[str] = frozenset(),
+    signals: StopSignals | None = None,
+) -> dict[str, Any]:
     """Train (or, with ``--eval-only``, evaluate) under ``settings``, whose ``auto`` fields are
     resolved here for this machine (``app.autotune``); ``given``: the settings the user set,
-    which ``--plan auto`` keeps."""
+    which ``--plan auto`` keeps; ``signals``: raised by SIGTERM/SIGINT, on which every rank
+    stops with a checkpoint (:class:`Preempted`)."""
     # fixed patch and window sizes: let cuDNN pick the fastest 3D convolution algorithms once
     torch.backends.cudnn.benchmark = env.device.type == "cuda"
     run_on_primary((ConfigError, DataError), preflight, settings)
@@ -381,7 +442,15 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     start_epoch, best_dice, resumed_metrics = 0, -1.0, None
     if resumed is not None:
         start_epoch, best_dice, resumed_metrics = restore(
-            resumed, resume_from, model, optimizer, scheduler, precision, average
+            resumed,
+            resume_from,
+            model,
+            optimizer,
+            scheduler,
+            precision,
+            average,
+            env.rank,
+            env.world_size,
         )
 
     log.info(
@@ -418,16 +487,51 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             resumed_metrics,
         )
     saver = Saver(
-        model, optimizer, scheduler, precision, normalization, decision.to_dict(), plan, average
+        model,
+        optimizer,
+        scheduler,
+        precision,
+        normalization,
+        decision.to_dict(),
+        plan,
+        average,
+        cfg,
+        best_dice,
+        resumed_metrics or {},
     )
+    control = EpochControl(
+        signals or StopSignals(),
+        CheckpointClock(0.0),
+        cfg.stop_check_every,
+        env,
+        saver.write_mid_epoch,
+    )
+    position = resume_position(resumed, start_epoch, sampler, cfg)
     cadence = ValidationCadence(cfg.val_every, cfg.epochs, start_epoch, cfg.val_share)
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
-        sampler.set_epoch(epoch)
+        position = (
+            position
+            if position.epoch == epoch
+            else EpochPosition(epoch, world_size=env.world_size, batch_size=cfg.batch_size)
+        )
+        sampler.start(position, cfg.batch_size)
         train_set.set_epoch(epoch)
-        started = time.perf_counter()
+        control.begin(position, sampler.epoch_order())
+        started = time.perf_counter() - position.elapsed_s  # a resumed epoch's earlier part too
         lr = optimizer.param_groups[0]["lr"]
         totals = train_one_epoch(
-            model, loader, optimizer, precision, loss_fn, tracker, env, epoch, cfg.epochs, average
+            model,
+            loader,
+            optimizer,
+            precision,
+            loss_fn,
+            tracker,
+            env,
+            epoch,
+            cfg.epochs,
+            average,
+            control,
+            position,
         )
         train_time = time.perf_counter() - started
         check_steps_taken(totals, epoch, cfg)  # before anything of this epoch is saved
@@ -474,6 +578,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
         run_on_primary(
             WRITE_ERRORS, saver.end_of_epoch, tracker, record, sample, cfg, best_dice, improved
         )
+        control.after_epoch(epoch, last=epoch == cfg.epochs)
 
     tracker.finish(record)
     if env.is_primary and record:
@@ -525,10 +630,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = None
     try:
         cfg, given = load_config_and_given(argv)
-        with distributed_session(cfg) as env:
+        with distributed_session(cfg) as env, StopSignals() as signals:
             setup_logging(env.rank)
             log_versions()
-            train(cfg, env, given)
+            train(cfg, env, given, signals)
+    except Preempted as exc:  # the checkpoint is written: restart and --resume auto
+        log.warning("%s", exc)
+        return exc.exit_code
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
