@@ -186,6 +186,12 @@ class Config:
         20, "steps between progress-bar loss refreshes (one host sync each)", "run"
     )
     log_images: bool = _opt(True, "write slice images to TensorBoard at each validation", "run")
+    checkpoint_every_min: float = _opt(
+        -1.0,
+        "minutes between time-based mid-epoch checkpoints (last.pt, as on SIGTERM); 0: off; "
+        "-1: 30 on CUDA, off on CPU",
+        "run",
+    )
     stop_check_every: int = _opt(
         10,
         "steps between the ranks' agreement on a stop signal (SIGTERM/SIGINT) or a due "
@@ -387,6 +393,11 @@ def validate(cfg: Config) -> None:
     need(0.0 <= cfg.sw_overlap < 1.0, "sw_overlap", "must be within [0, 1)")
     need(cfg.plan_budget_s > 0, "plan_budget_s", "must be positive")
     need(cfg.val_every >= 0, "val_every", "must be 0 (auto) or more")
+    need(
+        cfg.checkpoint_every_min >= 0 or cfg.checkpoint_every_min == -1,
+        "checkpoint_every_min",
+        "must be minutes (> 0), 0 (off) or -1 (30 on CUDA, off on CPU)",
+    )
     need(0 < cfg.val_share <= 1, "val_share", "must be within (0, 1]")
     need(
         cfg.resume in ("auto", "none") or Path(cfg.resume).suffix == ".pt",

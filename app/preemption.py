@@ -13,6 +13,7 @@ PyTorchJob's ``OnFailure`` or ``ExitCode`` restart policy treat as "restart me".
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -65,6 +66,17 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
+CUDA_CHECKPOINT_EVERY_MIN = 30.0
+
+
+def checkpoint_every_s(every_min: float, device: torch.device) -> float:
+    """``--checkpoint-every-min`` in seconds (0: off); ``-1`` is 30 minutes on CUDA, where an
+    hour of lost GPU time costs most, and off on CPU."""
+    if every_min == -1:
+        every_min = CUDA_CHECKPOINT_EVERY_MIN if device.type == "cuda" else 0.0
+    return every_min * 60.0
+
+
 class CheckpointClock:
     """Whether ``every_s`` seconds have passed since the last checkpoint (``0``: never)."""
 
@@ -102,13 +114,18 @@ class EpochControl:
             write,
         )
         self.position = EpochPosition(0)
+        self.order: list[int] = []
         self.started = time.perf_counter()
+        self.last_step = 0
 
     def begin(self, position: EpochPosition, order: list[int]) -> None:
         """An epoch starts (or resumes) at ``position``, drawing samples in ``order``."""
         self.position = position
         self.order = order
         self.started = time.perf_counter() - position.elapsed_s
+        # the last step's checkpoint is the epoch's own: no agreement there
+        share = len(order) // self.env.world_size
+        self.last_step = math.ceil(share / position.batch_size)
 
     def _agree(self) -> tuple[int, bool]:
         """(the signal any rank received, whether rank 0's clock says a checkpoint is due)."""
@@ -119,7 +136,7 @@ class EpochControl:
         return int(signum), bool(due)
 
     def after_step(self, step: int, totals: torch.Tensor) -> None:
-        if step % self.every:
+        if step % self.every or step == self.last_step:
             return
         signum, due = self._agree()
         if not (signum or due):

@@ -53,7 +53,13 @@ from app.losses import BCEDiceLoss
 from app.model import build_model
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
 from app.precision import Precision, build_precision
-from app.preemption import CheckpointClock, EpochControl, Preempted, StopSignals
+from app.preemption import (
+    CheckpointClock,
+    EpochControl,
+    Preempted,
+    StopSignals,
+    checkpoint_every_s,
+)
 from app.preflight import check_data_root, check_output_dir
 from app.steps import NonFiniteError, build_optimizer, check_steps_taken, train_one_epoch
 from app.tracking import make_tracker
@@ -499,9 +505,12 @@ def train(
         best_dice,
         resumed_metrics or {},
     )
+    every_s = checkpoint_every_s(cfg.checkpoint_every_min, env.device)
+    if every_s and env.is_primary:
+        log.info("mid-epoch checkpoints every %g min (--checkpoint-every-min)", every_s / 60)
     control = EpochControl(
         signals or StopSignals(),
-        CheckpointClock(0.0),
+        CheckpointClock(every_s),
         cfg.stop_check_every,
         env,
         saver.write_mid_epoch,

@@ -201,3 +201,23 @@ def test_gpu_check_apex_functions_with_the_recording_standin(monkeypatch, tmp_pa
     names = [c[0] for c in calls]
     assert names.count("amp.initialize") == 2 and "amp.load_state_dict" in names
     assert names.count("amp.scale_loss") == 4  # 3 steps, then 1 after the restore
+
+
+def test_checkpoint_overhead_times_the_three_variants_side_by_side():
+    argv = [*TINY, "--opt-level", "O1", "--amp-dtype", "bfloat16", "--memory-format"]
+    argv += ["channels_last", "--stop-check-every", "2", "--steps", "4", "--repeats", "1"]
+    done = subprocess.run(
+        [sys.executable, "bench/checkpoint_overhead.py", *argv, "--period-s", "0.001"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "checkpoint_overhead: torch" in out and "2 gloo ranks" in out
+    table = rows(out, [["off"], ["agree"], ["checkpoints"]])
+    assert list(table) == ["off", "agree", "checkpoints"] and "1.0000x of off" in table["off"]
+    assert re.search(r"^\d+ checkpoints of [\d.]+ MB", out, re.M)
+    assert "--checkpoint-every-min 30: projected cost" in out

@@ -176,3 +176,46 @@ def test_sigterm_to_the_launcher_with_two_ranks_then_resume_is_exact(tmp_path):
 
     launch([*args, "--output-dir", resumed], NPROC_PER_NODE=2)  # --resume auto is the default
     assert_same_epochs(straight, resumed)
+
+
+class Killed(Exception):
+    """Stands for a SIGKILL: nothing after it runs."""
+
+
+def test_time_based_checkpoints_survive_a_kill(common, tmp_path, monkeypatch):
+    """--checkpoint-every-min writes the mid-epoch checkpoint at the first agreement after each
+    period; a process killed later resumes at that step with the uninterrupted figures."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert run([*common, "--output-dir", straight]) == 0
+
+    original = EpochControl.after_step
+
+    def after_step(self, at, totals):
+        if (self.position.epoch, at) == (2, 8):
+            raise Killed
+        return original(self, at, totals)
+
+    monkeypatch.setattr(EpochControl, "after_step", after_step)
+    args = [*common, "--output-dir", killed, "--checkpoint-every-min", 1e-6]  # every agreement
+    with pytest.raises(Killed):
+        run(args)
+    monkeypatch.undo()
+    state = torch.load(killed / "checkpoints/last.pt", weights_only=True)
+    assert (state["position"]["epoch"], state["position"]["step"]) == (2, 6)
+
+    assert run(args) == 0
+    assert_same_epochs(straight, killed)
+
+
+def test_checkpoint_period_defaults_by_device():
+    from app.preemption import checkpoint_every_s
+
+    assert checkpoint_every_s(-1, torch.device("cpu")) == 0
+    assert checkpoint_every_s(-1, torch.device("cuda")) == 30 * 60
+    assert checkpoint_every_s(0, torch.device("cuda")) == 0
+    assert checkpoint_every_s(2.5, torch.device("cpu")) == 150
+
+
+def test_bad_checkpoint_period_is_refused(tmp_path, tiny_args, capsys):
+    assert run([*tiny_args, "--output-dir", tmp_path, "--checkpoint-every-min", -3]) == 2
+    assert "--checkpoint-every-min must be minutes" in capsys.readouterr().err
