@@ -70,6 +70,13 @@ class Config:
         "data",
     )
     num_workers: int = _opt(2, "DataLoader worker processes per training process", "data")
+    data_access: Literal["memory", "mmap"] = _opt(
+        "memory",
+        "memory: load every volume; mmap: read training patches from disk (.npy, uncompressed "
+        "TIFF; python -m app.convert makes them), for sets larger than memory; statistics and a "
+        "coarse foreground index cached in OUTPUT_DIR/data_index/",
+        "data",
+    )
 
     # model
     f_maps: int = _opt(32, "feature maps of the first U-Net level (doubled at each level)", "model")
@@ -393,6 +400,11 @@ def validate(cfg: Config) -> None:
     need(0.0 <= cfg.sw_overlap < 1.0, "sw_overlap", "must be within [0, 1)")
     need(cfg.plan_budget_s > 0, "plan_budget_s", "must be positive")
     need(cfg.val_every >= 0, "val_every", "must be 0 (auto) or more")
+    need(
+        cfg.plan != "auto" or cfg.data_access == "memory",
+        "data_access",
+        "mmap cannot be combined with --plan auto (the plan reads every volume whole)",
+    )
     need(
         cfg.checkpoint_every_min >= 0 or cfg.checkpoint_every_min == -1,
         "checkpoint_every_min",

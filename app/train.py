@@ -49,6 +49,7 @@ from app.distributed import (
 from app.ema import WeightAverage, inference_weights
 from app.epoch_position import EpochPosition, ResumableSampler
 from app.floor import Floor, floors_from_volumes
+from app.lazy_data import index_split, load_mapped_train_val
 from app.losses import BCEDiceLoss
 from app.model import build_model
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
@@ -284,11 +285,26 @@ def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
     atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
 
 
+def load_data(cfg: Config, resumed: dict[str, Any] | None) -> tuple[list, list, Normalization]:
+    """Training and validation volumes, normalised with a resumed run's statistics (its weights
+    were trained on them) or with statistics fitted here; ``--data-access mmap`` reads training
+    patches from disk, indexed once by rank 0."""
+    fitted = Normalization.saved_in(resumed)
+    if cfg.data_access == "mmap" and not cfg.eval_only:
+        index_dir = cfg.run_dir / "data_index"
+        run_on_primary((DataError, OSError), index_split, cfg.data_root, index_dir)
+        return load_mapped_train_val(cfg.data_root, cfg.normalization, cfg.seed, index_dir, fitted)
+    return load_train_val(
+        cfg.data_root, cfg.normalization, cfg.seed, fitted=fitted, with_train=not cfg.eval_only
+    )
+
+
 def classical_floor(train_volumes: list, val_volumes: list) -> Floor:
     """The best intensity band picked on the training set, scored on validation (global Dice),
     on the images as the model sees them; logged beside the model's Dice as ``floor_dice``."""
     started = time.perf_counter()
-    floors = floors_from_volumes(train_volumes, val_volumes)
+    # volumes read by patches give a strided sample of their voxels
+    floors = floors_from_volumes([v.sampled() for v in train_volumes], val_volumes)
     band, otsu = floors.band, floors.otsu
     log.info(
         "classical floor (%.1f s): band %s, train Dice %.4f, val Dice %.4f (floor_dice); "
@@ -419,13 +435,7 @@ def train(
     torch.manual_seed(cfg.seed)
     precision = build_precision(cfg, env.device)
 
-    train_volumes, val_volumes, normalization = load_train_val(
-        cfg.data_root,
-        cfg.normalization,
-        cfg.seed,
-        fitted=Normalization.saved_in(resumed),  # the statistics its weights were trained on
-        with_train=not cfg.eval_only,
-    )
+    train_volumes, val_volumes, normalization = load_data(cfg, resumed)
     train_set = PatchDataset(
         train_volumes,
         cfg.patch_size,
@@ -612,6 +622,15 @@ def start_run_dir(settings: Config, cfg: Config, resolved: dict[str, Any]) -> No
         log.info("removed %s, left by a checkpoint write that was interrupted", path)
 
 
+def one_line(exc: Exception) -> str:
+    """The message of ``exc``; a DataLoader worker's error arrives with the worker's traceback
+    in its text, and only its last line, the error itself, is kept."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return text
+    return text.strip().splitlines()[-1].split(": ", 1)[-1]
+
+
 def io_error_line(exc: OSError, cfg: Config | None) -> str:
     """One line for an I/O error that no check caught earlier (a disk filling up mid-run)."""
     where = exc.filename or (f"--output-dir {cfg.output_dir}" if cfg else "a file")
@@ -647,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", exc)
         return exc.exit_code
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:  # the last good checkpoint is intact: writes are atomic
         print(f"error: {io_error_line(exc, cfg)}", file=sys.stderr)
