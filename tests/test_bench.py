@@ -221,3 +221,27 @@ def test_checkpoint_overhead_times_the_three_variants_side_by_side():
     assert list(table) == ["off", "agree", "checkpoints"] and "1.0000x of off" in table["off"]
     assert re.search(r"^\d+ checkpoints of [\d.]+ MB", out, re.M)
     assert "--checkpoint-every-min 30: projected cost" in out
+
+
+@pytest.mark.slow
+def test_large_data_prints_rss_and_rate_for_each_access(tmp_path):
+    work = tmp_path / "work"
+    argv = ["--work", work, "--volumes", 1, "--shape", 64, 64, 64, "--small-volumes", 1]
+    argv += ["--small-shape", 64, 64, 64, "--epochs", 1, "--samples-per-volume", 2]
+    done = subprocess.run(
+        [sys.executable, "bench/large_data.py", *map(str, argv)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith(("small,", "large,"))]
+    assert [line.split("  ")[0].strip() for line in table] == [
+        "small, memory",
+        "small, mmap",
+        "large, mmap",
+    ]
+    assert all(float(line.split()[3]) > 100 for line in table)  # a peak RSS was read, in MiB
+    assert "large_data: torch" in done.stdout and not work.exists()
