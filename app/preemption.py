@@ -42,18 +42,25 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """While entered, SIGTERM and SIGINT set :attr:`received` instead of ending the process."""
+    """While entered, SIGTERM and SIGINT set :attr:`received` instead of ending the process;
+    the same signal a second time ends it at once (SystemExit)."""
 
     def __init__(self) -> None:
         self.received = 0
+        self._seen: set[int] = set()
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame) -> None:
-        if not self.received:
-            log.warning(
-                "%s: stopping after the step in flight, with a checkpoint",
-                signal.Signals(signum).name,
-            )
+        name = signal.Signals(signum).name
+        # the same signal twice is a second Ctrl-C: the user will not wait for a checkpoint.
+        # A Ctrl-C under torchrun arrives as SIGINT (from the terminal) then SIGTERM (from
+        # torchrun): both together still stop gracefully.
+        if signum in self._seen:
+            log.warning("%s again: stopping now, without a checkpoint", name)
+            raise SystemExit(128 + signum)
+        if not self._seen:
+            log.warning("%s: stopping after the step in flight, with a checkpoint", name)
+        self._seen.add(signum)
         self.received = signum
 
     def __enter__(self) -> StopSignals:
@@ -106,13 +113,11 @@ class EpochControl:
         env: DistEnv,
         write: WriteMidEpoch,
     ):
-        self.signals, self.clock, self.every, self.env, self.write = (
-            signals,
-            clock,
-            every,
-            env,
-            write,
-        )
+        self.signals = signals
+        self.clock = clock
+        self.every = every
+        self.env = env
+        self.write = write
         self.position = EpochPosition(0)
         self.order: list[int] = []
         self.started = time.perf_counter()
@@ -127,7 +132,7 @@ class EpochControl:
         share = len(order) // self.env.world_size
         self.last_step = math.ceil(share / position.batch_size)
 
-    def _agree(self) -> tuple[int, bool]:
+    def agree(self) -> tuple[int, bool]:
         """(the signal any rank received, whether rank 0's clock says a checkpoint is due)."""
         due = self.clock.due() and self.env.is_primary
         flags = torch.tensor([self.signals.received, int(due)], device=self.env.device)
@@ -138,7 +143,7 @@ class EpochControl:
     def after_step(self, step: int, totals: torch.Tensor) -> None:
         if step % self.every or step == self.last_step:
             return
-        signum, due = self._agree()
+        signum, due = self.agree()
         if not (signum or due):
             return
         summed = reduce_tensor(totals.clone())  # every rank's partial sums, for rank 0 to save
@@ -160,12 +165,9 @@ class EpochControl:
         """Stop at this epoch's end if a rank was signalled since the last check (its
         checkpoint is already written); nothing to stop after the last epoch."""
         self.clock.reset()
-        signum, _ = self._agree()
+        signum, _ = self.agree()
         if signum and not last:
             raise Preempted(signum, epoch, None)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
 
 
 class NullControl:

@@ -237,13 +237,19 @@ def own_rng_state(state: dict[str, Any], rank: int, world_size: int) -> dict[str
     return per_rank[rank] if len(per_rank) == world_size else state["rng"]
 
 
+def start_of(epoch: int, env: DistEnv, cfg: Config) -> EpochPosition:
+    return EpochPosition(epoch, world_size=env.world_size, batch_size=cfg.batch_size)
+
+
 def resume_position(
-    resumed: dict[str, Any] | None, start_epoch: int, sampler: ResumableSampler, cfg: Config
+    resumed: dict[str, Any] | None,
+    start_epoch: int,
+    sampler: ResumableSampler,
+    cfg: Config,
+    env: DistEnv,
 ) -> EpochPosition:
     """Where the first epoch of this run starts: a mid-epoch checkpoint's step, or step 0."""
-    fresh = EpochPosition(
-        start_epoch + 1, world_size=sampler.num_replicas, batch_size=cfg.batch_size
-    )
+    fresh = start_of(start_epoch + 1, env, cfg)
     position = EpochPosition.saved_in(resumed)
     if position is None:
         return fresh
@@ -525,14 +531,11 @@ def train(
         env,
         saver.write_mid_epoch,
     )
-    position = resume_position(resumed, start_epoch, sampler, cfg)
+    first = resume_position(resumed, start_epoch, sampler, cfg, env)
     cadence = ValidationCadence(cfg.val_every, cfg.epochs, start_epoch, cfg.val_share)
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
-        position = (
-            position
-            if position.epoch == epoch
-            else EpochPosition(epoch, world_size=env.world_size, batch_size=cfg.batch_size)
-        )
+        # the first epoch may continue a mid-epoch checkpoint; the others start at step 0
+        position = first if epoch == first.epoch else start_of(epoch, env, cfg)
         sampler.start(position, cfg.batch_size)
         train_set.set_epoch(epoch)
         control.begin(position, sampler.epoch_order())

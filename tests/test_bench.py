@@ -220,7 +220,7 @@ def test_checkpoint_overhead_times_the_three_variants_side_by_side():
     table = rows(out, [["off"], ["agree"], ["checkpoints"]])
     assert list(table) == ["off", "agree", "checkpoints"] and "1.0000x of off" in table["off"]
     assert re.search(r"^\d+ checkpoints of [\d.]+ MB", out, re.M)
-    assert "--checkpoint-every-min 30: projected cost" in out
+    assert "--checkpoint-every-min 30: projected cost" in out and "one agreement alone" in out
 
 
 @pytest.mark.slow

@@ -219,3 +219,16 @@ def test_checkpoint_period_defaults_by_device():
 def test_bad_checkpoint_period_is_refused(tmp_path, tiny_args, capsys):
     assert run([*tiny_args, "--output-dir", tmp_path, "--checkpoint-every-min", -3]) == 2
     assert "--checkpoint-every-min must be minutes" in capsys.readouterr().err
+
+
+def test_the_same_signal_twice_stops_at_once():
+    from app.preemption import StopSignals
+
+    with StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the terminal's SIGINT, then torchrun's
+        os.kill(os.getpid(), signal.SIGTERM)  # SIGTERM: still the graceful stop
+        assert signals.received == signal.SIGTERM
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C
+        assert stopped.value.code == 128 + signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
