@@ -66,9 +66,10 @@ fi
 torchrun_args+=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")
 
 # Not exec: this shell stays (PID 1 in a container) to pass a SIGTERM on to torchrun and to exit
-# 128 + the signal once the workers have saved, instead of torchrun's 1. A terminal's Ctrl-C
-# reaches torchrun and the workers by itself, so SIGINT is only noted.
-"$PYTHON" -m torch.distributed.run "${torchrun_args[@]}" -m app.train "$@" &
+# 128 + the signal once the workers have saved. A terminal's Ctrl-C reaches torchrun and the
+# workers by itself, so SIGINT is only noted. app.launcher is torchrun, reporting a failed
+# worker in one line (and its exit code) instead of a traceback.
+"$PYTHON" -m app.launcher "${torchrun_args[@]}" -m app.train "$@" &
 torchrun_pid=$!
 stopped_by=0
 trap 'stopped_by=15; kill -TERM "$torchrun_pid" 2>/dev/null || true' TERM

@@ -5,6 +5,7 @@ where the tests run as root)."""
 
 import errno
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -188,8 +189,24 @@ def test_two_ranks_stop_together_when_rank_0_cannot_write(data, small_disk, tiny
     before = last.read_bytes()
     fill(small_disk, leave=64 * 1024)
     failed = launch(2)
-    assert failed.returncode != 0
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert re.search(r"launch.sh: app.train failed: rank [01] exited with 2", failed.stderr)
     errors = [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and len(set(errors)) == 1, failed.stderr[-3000:]
     assert str(last) in errors[0] and "No space left on device" in errors[0]
     assert last.read_bytes() == before
+
+
+def test_the_launcher_keeps_the_failed_workers_exit_code():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from app.launcher import failed_worker
+
+    def failure(code, at):
+        f = ProcessFailure(local_rank=0, pid=1, exitcode=code, error_file="")
+        f.timestamp = at
+        return f
+
+    exc = ChildFailedError("app.train", {1: failure(-15, 2), 0: failure(2, 1)})
+    assert failed_worker(exc) == (0, 2)
+    assert failed_worker(ChildFailedError("app.train", {1: failure(-9, 1)})) == (1, 137)
