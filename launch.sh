@@ -10,19 +10,28 @@
 #   NNODES, NODE_RANK         multi-node by hand (default 1 and 0), with MASTER_ADDR, MASTER_PORT
 #   MAX_RESTARTS              elastic restarts of the whole group after a worker dies (default 0);
 #                             restarted workers resume from OUTPUT_DIR/checkpoints/last.pt
+#   SHUTDOWN_TIMEOUT          seconds torchrun gives the workers after passing on a SIGTERM,
+#                             before SIGKILL (default 120): room for the mid-epoch checkpoint
 #   PYTHON                    interpreter (default: python)
+#
+# On SIGTERM (Kubernetes preempting the pod) the trainer finishes its step, writes a mid-epoch
+# checkpoint and exits; launch.sh then exits 143 (128 + 15), a code the PyTorchJob's ExitCode
+# restart policy retries, as OnFailure retries any non-zero one.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 export NO_ALBUMENTATIONS_UPDATE=1 PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
 
 die() { echo "launch.sh: $*" >&2; exit 2; }
 is_count() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
 
 is_count "$MAX_RESTARTS" || [[ $MAX_RESTARTS == 0 ]] \
   || die "MAX_RESTARTS must be a non-negative integer, got '$MAX_RESTARTS'"
+is_count "$SHUTDOWN_TIMEOUT" \
+  || die "SHUTDOWN_TIMEOUT must be a positive number of seconds, got '$SHUTDOWN_TIMEOUT'"
 
 if [[ -n ${PET_NNODES:-} ]]; then
   # The operator injects PET_* (and, for v1, MASTER_ADDR/RANK/WORLD_SIZE of the pod, which
@@ -54,4 +63,23 @@ else
   torchrun_args+=(--max-restarts "$MAX_RESTARTS")
 fi
 
-exec "$PYTHON" -m torch.distributed.run "${torchrun_args[@]}" -m app.train "$@"
+torchrun_args+=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")
+
+# Not exec: this shell stays (PID 1 in a container) to pass a SIGTERM on to torchrun and to exit
+# 128 + the signal once the workers have saved. A terminal's Ctrl-C reaches torchrun and the
+# workers by itself, so SIGINT is only noted. app.launcher is torchrun, reporting a failed
+# worker in one line (and its exit code) instead of a traceback.
+"$PYTHON" -m app.launcher "${torchrun_args[@]}" -m app.train "$@" &
+torchrun_pid=$!
+stopped_by=0
+trap 'stopped_by=15; kill -TERM "$torchrun_pid" 2>/dev/null || true' TERM
+trap 'stopped_by=2' INT
+while :; do
+  status=0
+  wait "$torchrun_pid" || status=$?
+  kill -0 "$torchrun_pid" 2>/dev/null || break  # wait returned for a signal, not the exit
+done
+if ((stopped_by)); then
+  exit $((128 + stopped_by))
+fi
+exit "$status"

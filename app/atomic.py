@@ -8,11 +8,18 @@ temporary next to it). Files get the usual permissions (``0o666`` less the umask
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+
+def os_cause(exc: OSError) -> str:
+    """The cause of an I/O error in a few words: ``No space left on device (ENOSPC)``."""
+    name = errno.errorcode.get(exc.errno or 0)
+    return f"{exc.strerror or exc}" + (f" ({name})" if name else "")
 
 
 def _umask() -> int:

@@ -8,7 +8,9 @@ its decay, update count and weights, ``app.ema``), ``optimizer``, ``scheduler``,
 (backend, opt level, dtype, and the GradScaler or apex ``amp`` state), ``epoch`` (epochs completed),
 ``best_dice``, ``metrics`` (that epoch's record), ``config`` (with its ``auto`` settings resolved),
 ``resolved`` (that decision and its reason, ``app.autotune``) and ``rng`` (torch, CUDA, numpy and
-Python generator states). A model holding NaN or Inf is never written.
+Python generator states). A mid-epoch checkpoint (``app.preemption``) adds ``position`` (the
+epoch, step, sample order and partial sums, ``app.epoch_position``) and ``rng_per_rank``; its
+``epoch`` counts the epochs completed. A model holding NaN or Inf is never written.
 
 Writes are atomic (``app.atomic``): a writer killed at any point leaves the previous file intact.
 """
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.atomic import atomic_write
+from app.atomic import atomic_write, os_cause
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = (
@@ -53,7 +55,11 @@ def save_checkpoint(path: Path | str, state: dict[str, Any]) -> None:
             f"{path}: not written, the model's {', '.join(bad[:3])}"
             f"{' and more' if len(bad) > 3 else ''} hold NaN or Inf; the previous file is kept"
         )
-    atomic_write(path, lambda f: torch.save(state, f))
+    try:
+        atomic_write(path, lambda f: torch.save(state, f))
+    except OSError as exc:  # a full or read-only disk: the atomic write kept the old file
+        kept = f"the previous {Path(path).name} is kept" if Path(path).is_file() else "none kept"
+        raise CheckpointError(f"{path}: checkpoint not written: {os_cause(exc)}; {kept}") from exc
 
 
 def load_checkpoint(path: Path | str) -> dict[str, Any]:

@@ -70,6 +70,13 @@ class Config:
         "data",
     )
     num_workers: int = _opt(2, "DataLoader worker processes per training process", "data")
+    data_access: Literal["memory", "mmap"] = _opt(
+        "memory",
+        "memory: load every volume; mmap: read training patches from disk (.npy, uncompressed "
+        "TIFF; python -m app.convert makes them), for sets larger than memory; statistics and a "
+        "coarse foreground index cached in OUTPUT_DIR/data_index/",
+        "data",
+    )
 
     # model
     f_maps: int = _opt(32, "feature maps of the first U-Net level (doubled at each level)", "model")
@@ -186,6 +193,19 @@ class Config:
         20, "steps between progress-bar loss refreshes (one host sync each)", "run"
     )
     log_images: bool = _opt(True, "write slice images to TensorBoard at each validation", "run")
+    checkpoint_every_min: float = _opt(
+        -1.0,
+        "minutes between time-based mid-epoch checkpoints (last.pt, as on SIGTERM); 0: off; "
+        "-1: 30 on CUDA, off on CPU",
+        "run",
+    )
+    stop_check_every: int = _opt(
+        10,
+        "steps between the ranks' agreement on a stop signal (SIGTERM/SIGINT) or a due "
+        "time-based checkpoint: one all-reduce of two numbers each; a signalled run stops "
+        "within this many steps",
+        "run",
+    )
 
     @property
     def run_dir(self) -> Path:
@@ -345,6 +365,7 @@ def validate(cfg: Config) -> None:
         "log_every",
         "sw_batch_size",
         "dist_timeout_s",
+        "stop_check_every",
     ):
         need(getattr(cfg, name) >= 1, name, "must be at least 1")
     need(cfg.depth >= 2, "depth", "must be at least 2")
@@ -379,6 +400,16 @@ def validate(cfg: Config) -> None:
     need(0.0 <= cfg.sw_overlap < 1.0, "sw_overlap", "must be within [0, 1)")
     need(cfg.plan_budget_s > 0, "plan_budget_s", "must be positive")
     need(cfg.val_every >= 0, "val_every", "must be 0 (auto) or more")
+    need(
+        cfg.plan != "auto" or cfg.data_access == "memory",
+        "data_access",
+        "mmap cannot be combined with --plan auto (the plan reads every volume whole)",
+    )
+    need(
+        cfg.checkpoint_every_min >= 0 or cfg.checkpoint_every_min == -1,
+        "checkpoint_every_min",
+        "must be minutes (> 0), 0 (off) or -1 (30 on CUDA, off on CPU)",
+    )
     need(0 < cfg.val_share <= 1, "val_share", "must be within (0, 1]")
     need(
         cfg.resume in ("auto", "none") or Path(cfg.resume).suffix == ".pt",

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from app.atomic import os_cause
 from app.augment import Augment
 from app.volume_io import EXTENSIONS, VolumeError, is_volume_file, read_volume, split_ext
 
@@ -45,6 +46,27 @@ class Volume:
     label: np.ndarray  # uint8 {0, 1}
     image_path: Path
     foreground: np.ndarray = field(repr=False)  # flat indices of sampled foreground voxels
+
+    # what PatchDataset reads, shared with app.lazy_data.LazyVolume (patches read from disk)
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.image.shape
+
+    @property
+    def has_foreground(self) -> bool:
+        return self.foreground.size > 0
+
+    def patch(self, window: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
+        return self.image[window], self.label[window]
+
+    def foreground_centre(self, rng: np.random.Generator) -> tuple[int, ...]:
+        return np.unravel_index(int(rng.choice(self.foreground)), self.image.shape)
+
+    def sampled(self) -> Volume:
+        return self
+
+    def in_memory(self) -> Volume:
+        return self
 
 
 def binarize_label(array: np.ndarray, path: Path) -> np.ndarray:
@@ -162,7 +184,11 @@ def pair_files(split_dir: Path) -> list[tuple[str, Path, Path]]:
 
     def index(folder: Path) -> dict[str, Path]:
         found: dict[str, Path] = {}
-        for path in sorted(folder.iterdir()):
+        try:
+            paths = sorted(folder.iterdir())
+        except OSError as exc:
+            raise DataError(f"{folder}: cannot list this folder: {os_cause(exc)}") from exc
+        for path in paths:
             if not is_volume_file(path):
                 continue
             name = split_ext(path)[0]
@@ -274,7 +300,8 @@ class PatchDataset(Dataset):
         self.patch_size = tuple(patch_size)
         self.volumes = []
         for vol in volumes:
-            if any(a < p for a, p in zip(vol.image.shape, self.patch_size)):
+            if any(a < p for a, p in zip(vol.shape, self.patch_size)):
+                vol = vol.in_memory()  # small: padded once, here
                 pad = A.PadIfNeeded3D(
                     min_zyx=self.patch_size,
                     position="center",
@@ -299,9 +326,9 @@ class PatchDataset(Dataset):
         return len(self.volumes) * self.samples_per_volume
 
     def patch_start(self, vol: Volume, rng: np.random.Generator) -> list[int]:
-        shape, size = vol.image.shape, self.patch_size
-        if vol.foreground.size and rng.random() < self.foreground_fraction:
-            centre = np.unravel_index(int(rng.choice(vol.foreground)), shape)
+        shape, size = vol.shape, self.patch_size
+        if vol.has_foreground and rng.random() < self.foreground_fraction:
+            centre = vol.foreground_centre(rng)
             return [int(np.clip(c - s // 2, 0, d - s)) for c, s, d in zip(centre, size, shape)]
         return [int(rng.integers(0, d - s + 1)) for s, d in zip(size, shape)]
 
@@ -309,7 +336,7 @@ class PatchDataset(Dataset):
         rng = np.random.default_rng([self.seed, self.epoch, index])
         vol = self.volumes[index // self.samples_per_volume]
         window = tuple(slice(s, s + p) for s, p in zip(self.patch_start(vol, rng), self.patch_size))
-        image, label = vol.image[window], vol.label[window]
+        image, label = vol.patch(window)
         if self.augment is not None:
             image, label = self.augment(image, label, rng)
         return (

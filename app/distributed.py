@@ -13,8 +13,9 @@ import datetime
 import gc
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -145,6 +146,24 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def run_on_primary(
+    catch: tuple[type[Exception], ...], action: Callable[..., object], *args: Any
+) -> None:
+    """Run ``action(*args)`` on the primary rank only, then raise on every rank what it raised
+    (one of ``catch``), so that no rank waits in a collective for a rank that has stopped. The
+    broadcast of the outcome is also the barrier after rank 0 writes: no rank runs ahead of a
+    file it may need to resume from."""
+    error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            action(*args)
+        except catch as exc:
+            error = exc
+    error = broadcast_object(error)
+    if error is not None:
+        raise error
 
 
 def broadcast_buffers(model: nn.Module, src: int = 0) -> None:

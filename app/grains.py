@@ -9,9 +9,9 @@ Policies
 - Splitting (:func:`split_grains`): connected components (face connectivity), then a watershed
   of the Euclidean distance map, smoothed by a Gaussian of ``smooth`` voxels (rough surfaces
   would otherwise seed spurious grains) and seeded by its h-maxima: two touching grains stay two
-  where the smoothed map dips by more than ``h`` between their centres. A component with no seed deep
-  enough (a grain thinner than ``h``) stays one grain. Grains under ``min_size`` voxels are
-  dropped (noise, and fragments cut by the volume's faces). Distances are in units of the
+  where the smoothed map dips by more than ``h`` between their centres. A component with no
+  seed deep enough (a grain thinner than ``h``) stays one grain. Grains under ``min_size``
+  voxels are dropped (noise, and fragments cut by the volume's faces). Distances are in units of the
   smallest voxel side, so anisotropic voxels split as the physical shapes do.
 - Properties (:func:`grain_table`, by ``skimage.measure.regionprops_table``): volume, equivalent
   sphere diameter (the diameter of the sphere of the same volume), bounding box, centroid, mean

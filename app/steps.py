@@ -15,9 +15,11 @@ from torch import nn
 from app.config import Config
 from app.distributed import DistEnv, prepare, reduce_tensor, unwrap
 from app.ema import WeightAverage
+from app.epoch_position import EpochPosition
 from app.losses import BCEDiceLoss
 from app.model import build_model
 from app.precision import Precision, build_precision
+from app.preemption import NO_CONTROL, EpochControl, NullControl
 from app.tracking import NullTracker, Tracker
 
 
@@ -86,18 +88,23 @@ def train_one_epoch(
     epoch: int,
     epochs: int,
     average: WeightAverage | None = None,
+    control: EpochControl | NullControl = NO_CONTROL,
+    position: EpochPosition | None = None,
 ) -> EpochTotals:
     """Every step of one epoch, each folded into ``average`` when there is one; the totals are
-    reduced across ranks once, after the loop.
+    reduced across ranks once, after the loop. A resumed epoch starts after ``position.step``
+    with its partial sums; ``control`` may write a mid-epoch checkpoint or stop the run.
 
     The loss sum and the skipped-step count stay on the device: no per-step host sync or
-    collective (the progress bar reads them every ``--log-every`` steps, primary rank only).
+    collective (the progress bar reads them every ``--log-every`` steps, primary rank only;
+    ``control`` agrees with the other ranks every ``--stop-check-every`` steps).
     """
     model.train()
     module = unwrap(model)
-    totals = torch.zeros(4, dtype=torch.float64, device=env.device)  # loss, steps, skipped, n
+    position = position or EpochPosition(epoch)
+    totals = position.rank_totals(env.rank, env.device)  # loss, steps, skipped, samples
     bar = tracker.progress(loader, epoch, epochs)
-    for step, (images, labels) in enumerate(bar, start=1):
+    for step, (images, labels) in enumerate(bar, start=position.step + 1):
         images = images.to(env.device, non_blocking=True)
         labels = labels.to(env.device, non_blocking=True)
         with precision.autocast():
@@ -112,6 +119,7 @@ def train_one_epoch(
         totals[2] += skipped
         totals[3] += images.shape[0]
         tracker.show_loss(bar, step, totals)
+        control.after_step(step, totals)
     if env.distributed:  # a world-size-1 env (the probes) runs alone, with no collective
         reduce_tensor(totals)
     loss_sum, steps, skipped, samples = totals.tolist()

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, MultiStepLR
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
-from app.atomic import atomic_write_bytes
+from app.atomic import atomic_write_bytes, os_cause
 from app.autotune import Decision, decide
 from app.checkpoint import (
     CheckpointError,
@@ -38,19 +39,29 @@ from app.config import Config, ConfigError, load_config_and_given, save_config
 from app.data import DataError, Normalization, PatchDataset, load_train_val
 from app.distributed import (
     DistEnv,
-    barrier,
     broadcast_buffers,
     broadcast_object,
     distributed_session,
     prepare,
+    run_on_primary,
     unwrap,
 )
 from app.ema import WeightAverage, inference_weights
+from app.epoch_position import EpochPosition, ResumableSampler
 from app.floor import Floor, floors_from_volumes
+from app.lazy_data import index_split, load_mapped_train_val
 from app.losses import BCEDiceLoss
 from app.model import build_model
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
 from app.precision import Precision, build_precision
+from app.preemption import (
+    CheckpointClock,
+    EpochControl,
+    Preempted,
+    StopSignals,
+    checkpoint_every_s,
+)
+from app.preflight import check_data_root, check_output_dir
 from app.steps import NonFiniteError, build_optimizer, check_steps_taken, train_one_epoch
 from app.tracking import make_tracker
 from app.validation import EvalResult, ValidationCadence, evaluate
@@ -58,6 +69,7 @@ from app.volume_io import VolumeError
 
 log = logging.getLogger("app.train")
 USER_ERRORS = (ConfigError, DataError, VolumeError, CheckpointError, NonFiniteError)
+WRITE_ERRORS = (OSError, CheckpointError)  # what rank 0's writes at the end of an epoch raise
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRScheduler:
@@ -119,6 +131,64 @@ def checkpoint_state(
     }
 
 
+@dataclasses.dataclass
+class Saver:
+    """What every checkpoint holds besides the epoch's figures; rank 0 writes."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    precision: Precision
+    normalization: Normalization
+    resolved: dict[str, Any]
+    plan: Plan | None
+    average: WeightAverage | None
+    # what a mid-epoch checkpoint carries of the epochs before it; end_of_epoch updates them
+    cfg: Config
+    best_dice: float = -1.0
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def state(self, epoch: int, best_dice: float, record: dict, cfg: Config) -> dict[str, Any]:
+        return checkpoint_state(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.precision,
+            epoch,
+            best_dice,
+            record,
+            cfg,
+            self.normalization,
+            self.resolved,
+            self.plan,
+            self.average,
+        )
+
+    def end_of_epoch(
+        self, tracker, record: dict, sample, cfg: Config, best_dice: float, improved: bool
+    ) -> None:
+        """The epoch's metrics, then ``last.pt`` (and ``best.pt`` when it improved)."""
+        self.cfg, self.best_dice, self.record = cfg, best_dice, record
+        tracker.log_epoch(record, sample)
+        state = self.state(record["epoch"], best_dice, record, cfg)
+        save_checkpoint(checkpoint_dir(cfg.run_dir) / "last.pt", state)
+        if improved:
+            save_checkpoint(checkpoint_dir(cfg.run_dir) / "best.pt", state)
+
+    def mid_epoch(self, position: EpochPosition, rng_per_rank: list) -> None:
+        """``last.pt`` at ``position`` (the epochs before it completed), with every rank's
+        generators; ``best.pt`` is chosen at epochs' ends only."""
+        state = self.state(position.epoch - 1, self.best_dice, self.record, self.cfg)
+        state.update(position=position.to_dict(), rng_per_rank=rng_per_rank)
+        path = checkpoint_dir(self.cfg.run_dir) / "last.pt"
+        save_checkpoint(path, state)
+        log.info("mid-epoch checkpoint %s: epoch %d step %d", path, position.epoch, position.step)
+
+    def write_mid_epoch(self, position: EpochPosition, rng_per_rank: list) -> None:
+        """:meth:`mid_epoch` on rank 0; a failed write stops every rank."""
+        run_on_primary(WRITE_ERRORS, self.mid_epoch, position, rng_per_rank)
+
+
 def restore(
     state: dict[str, Any],
     path: Path,
@@ -127,6 +197,8 @@ def restore(
     scheduler: LRScheduler,
     precision: Precision,
     average: WeightAverage | None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[int, float, dict | None]:
     """Load checkpoint ``state`` (read from ``path``) into the prepared objects; returns
     (epoch, best Dice, its metrics)."""
@@ -145,7 +217,7 @@ def restore(
         group["fused"] = fused  # which Adam kernel runs is this run's choice, not saved state
     scheduler.load_state_dict(state["scheduler"])
     precision.load_state_dict(state["precision"])  # after initialize(), as apex requires
-    set_rng_state(state["rng"])
+    set_rng_state(own_rng_state(state, rank, world_size))
     if average is not None:
         if state.get("ema"):
             average.load_state_dict(state["ema"])
@@ -156,6 +228,37 @@ def restore(
         "resumed from %s at epoch %d (best dice %.4f)", path, state["epoch"], state["best_dice"]
     )
     return state["epoch"], state["best_dice"], state.get("metrics")
+
+
+def own_rng_state(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's generators as a mid-epoch checkpoint saved them (every rank's), else rank
+    0's (an end-of-epoch checkpoint, or another world size)."""
+    per_rank = state.get("rng_per_rank") or []
+    return per_rank[rank] if len(per_rank) == world_size else state["rng"]
+
+
+def start_of(epoch: int, env: DistEnv, cfg: Config) -> EpochPosition:
+    return EpochPosition(epoch, world_size=env.world_size, batch_size=cfg.batch_size)
+
+
+def resume_position(
+    resumed: dict[str, Any] | None,
+    start_epoch: int,
+    sampler: ResumableSampler,
+    cfg: Config,
+    env: DistEnv,
+) -> EpochPosition:
+    """Where the first epoch of this run starts: a mid-epoch checkpoint's step, or step 0."""
+    fresh = start_of(start_epoch + 1, env, cfg)
+    position = EpochPosition.saved_in(resumed)
+    if position is None:
+        return fresh
+    why = sampler.mismatch(position, cfg.batch_size)
+    if why is not None:
+        log.warning("%s: epoch %d starts again from its first step", why, position.epoch)
+        return fresh
+    log.info("epoch %d continues after step %d", position.epoch, position.step)
+    return position
 
 
 def weight_average(module: nn.Module, cfg: Config) -> WeightAverage | None:
@@ -188,11 +291,26 @@ def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
     atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
 
 
+def load_data(cfg: Config, resumed: dict[str, Any] | None) -> tuple[list, list, Normalization]:
+    """Training and validation volumes, normalised with a resumed run's statistics (its weights
+    were trained on them) or with statistics fitted here; ``--data-access mmap`` reads training
+    patches from disk, indexed once by rank 0."""
+    fitted = Normalization.saved_in(resumed)
+    if cfg.data_access == "mmap" and not cfg.eval_only:
+        index_dir = cfg.run_dir / "data_index"
+        run_on_primary((DataError, OSError), index_split, cfg.data_root, index_dir)
+        return load_mapped_train_val(cfg.data_root, cfg.normalization, cfg.seed, index_dir, fitted)
+    return load_train_val(
+        cfg.data_root, cfg.normalization, cfg.seed, fitted=fitted, with_train=not cfg.eval_only
+    )
+
+
 def classical_floor(train_volumes: list, val_volumes: list) -> Floor:
     """The best intensity band picked on the training set, scored on validation (global Dice),
     on the images as the model sees them; logged beside the model's Dice as ``floor_dice``."""
     started = time.perf_counter()
-    floors = floors_from_volumes(train_volumes, val_volumes)
+    # volumes read by patches give a strided sample of their voxels
+    floors = floors_from_volumes([v.sampled() for v in train_volumes], val_volumes)
     band, otsu = floors.band, floors.otsu
     log.info(
         "classical floor (%.1f s): band %s, train Dice %.4f, val Dice %.4f (floor_dice); "
@@ -256,18 +374,25 @@ def fit_plan_to_step(
 
 def patch_loader(
     train_set: PatchDataset, cfg: Config, env: DistEnv
-) -> tuple[DistributedSampler, DataLoader]:
-    sampler = DistributedSampler(
-        train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed
-    )  # same shuffle on every rank
+) -> tuple[ResumableSampler, DataLoader]:
+    sampler = ResumableSampler(train_set, env.world_size, env.rank, cfg.seed)  # same on all ranks
     loader = DataLoader(
         train_set,
         batch_size=cfg.batch_size,
         sampler=sampler,
         num_workers=cfg.num_workers,
         pin_memory=env.device.type == "cuda",
+        worker_init_fn=ignore_stop_signals,
+        # workers' seeds come from here, not from the global generator: a resumed epoch's
+        # loader then leaves the generators where the uninterrupted run had them
+        generator=torch.Generator().manual_seed(cfg.seed),
     )
     return sampler, loader
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A terminal's Ctrl-C reaches DataLoader workers too; only the trainer decides to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def refit_plan_to_epoch(
@@ -283,12 +408,19 @@ def refit_plan_to_epoch(
     return apply_plan(settings, given, plan)
 
 
-def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -> dict[str, Any]:
+def train(
+    settings: Config,
+    env: DistEnv,
+    given: frozenset[str] = frozenset(),
+    signals: StopSignals | None = None,
+) -> dict[str, Any]:
     """Train (or, with ``--eval-only``, evaluate) under ``settings``, whose ``auto`` fields are
     resolved here for this machine (``app.autotune``); ``given``: the settings the user set,
-    which ``--plan auto`` keeps."""
+    which ``--plan auto`` keeps; ``signals``: raised by SIGTERM/SIGINT, on which every rank
+    stops with a checkpoint (:class:`Preempted`)."""
     # fixed patch and window sizes: let cuDNN pick the fastest 3D convolution algorithms once
     torch.backends.cudnn.benchmark = env.device.type == "cuda"
+    run_on_primary((ConfigError, DataError), preflight, settings)
     # decided on the primary rank so that every rank resumes from the same file
     resume_from = broadcast_object(
         resume_path(settings.resume, settings.run_dir) if env.is_primary else None
@@ -309,13 +441,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     torch.manual_seed(cfg.seed)
     precision = build_precision(cfg, env.device)
 
-    train_volumes, val_volumes, normalization = load_train_val(
-        cfg.data_root,
-        cfg.normalization,
-        cfg.seed,
-        fitted=Normalization.saved_in(resumed),  # the statistics its weights were trained on
-        with_train=not cfg.eval_only,
-    )
+    train_volumes, val_volumes, normalization = load_data(cfg, resumed)
     train_set = PatchDataset(
         train_volumes,
         cfg.patch_size,
@@ -338,7 +464,15 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     start_epoch, best_dice, resumed_metrics = 0, -1.0, None
     if resumed is not None:
         start_epoch, best_dice, resumed_metrics = restore(
-            resumed, resume_from, model, optimizer, scheduler, precision, average
+            resumed,
+            resume_from,
+            model,
+            optimizer,
+            scheduler,
+            precision,
+            average,
+            env.rank,
+            env.world_size,
         )
 
     log.info(
@@ -355,19 +489,16 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     if cfg.eval_only:
         evaluated.load_state_dict(inference_weights(resumed))  # the weights app.predict uses
         result, _ = run_evaluation(evaluated, val_volumes, loss_fn, precision, env, cfg)
+        report = cfg.run_dir / "eval.json"
+        run_on_primary((OSError,), write_eval_report, report, result, start_epoch)
         if env.is_primary:
-            cfg.run_dir.mkdir(parents=True, exist_ok=True)
-            write_eval_report(cfg.run_dir / "eval.json", result, start_epoch)
             log.info("eval of epoch %d: %s", start_epoch, result.summary())
         return result.summary()
 
     floor = classical_floor(train_volumes, val_volumes) if env.is_primary else None
     tracker = make_tracker(cfg, env, start_epoch)
-    if env.is_primary:
-        resolved = decision.to_dict() | ({"plan": plan.reasons} if plan else {})
-        save_config(settings, cfg.run_dir / "config.yaml", resolved=resolved)
-        for path in remove_stale_temporaries(checkpoint_dir(cfg.run_dir)):
-            log.info("removed %s, left by a checkpoint write that was interrupted", path)
+    resolved = decision.to_dict() | ({"plan": plan.reasons} if plan else {})
+    run_on_primary((OSError,), start_run_dir, settings, cfg, resolved)
     record: dict[str, Any] = {}
     if start_epoch >= cfg.epochs:
         log.info(
@@ -377,14 +508,52 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             cfg.epochs,
             resumed_metrics,
         )
+    saver = Saver(
+        model,
+        optimizer,
+        scheduler,
+        precision,
+        normalization,
+        decision.to_dict(),
+        plan,
+        average,
+        cfg,
+        best_dice,
+        resumed_metrics or {},
+    )
+    every_s = checkpoint_every_s(cfg.checkpoint_every_min, env.device)
+    if every_s and env.is_primary:
+        log.info("mid-epoch checkpoints every %g min (--checkpoint-every-min)", every_s / 60)
+    control = EpochControl(
+        signals or StopSignals(),
+        CheckpointClock(every_s),
+        cfg.stop_check_every,
+        env,
+        saver.write_mid_epoch,
+    )
+    first = resume_position(resumed, start_epoch, sampler, cfg, env)
     cadence = ValidationCadence(cfg.val_every, cfg.epochs, start_epoch, cfg.val_share)
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
-        sampler.set_epoch(epoch)
+        # the first epoch may continue a mid-epoch checkpoint; the others start at step 0
+        position = first if epoch == first.epoch else start_of(epoch, env, cfg)
+        sampler.start(position, cfg.batch_size)
         train_set.set_epoch(epoch)
-        started = time.perf_counter()
+        control.begin(position, sampler.epoch_order())
+        started = time.perf_counter() - position.elapsed_s  # a resumed epoch's earlier part too
         lr = optimizer.param_groups[0]["lr"]
         totals = train_one_epoch(
-            model, loader, optimizer, precision, loss_fn, tracker, env, epoch, cfg.epochs, average
+            model,
+            loader,
+            optimizer,
+            precision,
+            loss_fn,
+            tracker,
+            env,
+            epoch,
+            cfg.epochs,
+            average,
+            control,
+            position,
         )
         train_time = time.perf_counter() - started
         check_steps_taken(totals, epoch, cfg)  # before anything of this epoch is saved
@@ -415,7 +584,6 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             voxels_per_s=voxels / train_time,
             world_size=env.world_size,
         )
-        tracker.log_epoch(record, sample)
         if plan is not None and epoch == REFIT_EPOCH:
             refitted = refit_plan_to_epoch(plan, settings, given, train_time, epoch)
             if refitted is not None:  # the patches of the epochs left; nothing else changes
@@ -428,25 +596,11 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
 
         improved = record.get("dice", -1.0) > best_dice
         best_dice = max(best_dice, record.get("dice", -1.0))
-        if env.is_primary:
-            state = checkpoint_state(
-                model,
-                optimizer,
-                scheduler,
-                precision,
-                epoch,
-                best_dice,
-                record,
-                cfg,
-                normalization,
-                decision.to_dict(),
-                plan,
-                average,
-            )
-            save_checkpoint(checkpoint_dir(cfg.run_dir) / "last.pt", state)
-            if improved:
-                save_checkpoint(checkpoint_dir(cfg.run_dir) / "best.pt", state)
-        barrier()  # no rank races ahead of a checkpoint it may need to resume from
+        # a full disk stops every rank, not only the one writing
+        run_on_primary(
+            WRITE_ERRORS, saver.end_of_epoch, tracker, record, sample, cfg, best_dice, improved
+        )
+        control.after_epoch(epoch, last=epoch == cfg.epochs)
 
     tracker.finish(record)
     if env.is_primary and record:
@@ -458,6 +612,32 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             record.get("iou", float("nan")),
         )
     return record
+
+
+def preflight(settings: Config) -> None:
+    check_output_dir(settings.run_dir)
+    check_data_root(Path(settings.data_root))
+
+
+def start_run_dir(settings: Config, cfg: Config, resolved: dict[str, Any]) -> None:
+    save_config(settings, cfg.run_dir / "config.yaml", resolved=resolved)
+    for path in remove_stale_temporaries(checkpoint_dir(cfg.run_dir)):
+        log.info("removed %s, left by a checkpoint write that was interrupted", path)
+
+
+def one_line(exc: Exception) -> str:
+    """The message of ``exc``; a DataLoader worker's error arrives with the worker's traceback
+    in its text, and only its last line, the error itself, is kept."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return text
+    return text.strip().splitlines()[-1].split(": ", 1)[-1]
+
+
+def io_error_line(exc: OSError, cfg: Config | None) -> str:
+    """One line for an I/O error that no check caught earlier (a disk filling up mid-run)."""
+    where = exc.filename or (f"--output-dir {cfg.output_dir}" if cfg else "a file")
+    return f"{where}: {os_cause(exc)}"
 
 
 def setup_logging(rank: int) -> None:
@@ -478,14 +658,21 @@ def log_versions() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging(int(os.environ.get("RANK", "0") or 0))
+    cfg = None
     try:
         cfg, given = load_config_and_given(argv)
-        with distributed_session(cfg) as env:
+        with distributed_session(cfg) as env, StopSignals() as signals:
             setup_logging(env.rank)
             log_versions()
-            train(cfg, env, given)
+            train(cfg, env, given, signals)
+    except Preempted as exc:  # the checkpoint is written: restart and --resume auto
+        log.warning("%s", exc)
+        return exc.exit_code
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the last good checkpoint is intact: writes are atomic
+        print(f"error: {io_error_line(exc, cfg)}", file=sys.stderr)
         return 2
     return 0
 

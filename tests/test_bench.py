@@ -230,3 +230,47 @@ def test_grains_bench_scores_the_clean_ups_of_a_run(tmp_path, capsys):
     table = rows(out, [["min"]])
     assert len(out.splitlines()) >= 6 and table  # 2 sizes x fill holes or not
     assert re.search(r"min 10 \+ fill holes +[01]\.\d{4} +[01]\.\d{4}", out)
+
+
+def test_checkpoint_overhead_times_the_three_variants_side_by_side():
+    argv = [*TINY, "--opt-level", "O1", "--amp-dtype", "bfloat16", "--memory-format"]
+    argv += ["channels_last", "--stop-check-every", "2", "--steps", "4", "--repeats", "1"]
+    done = subprocess.run(
+        [sys.executable, "bench/checkpoint_overhead.py", *argv, "--period-s", "0.001"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "checkpoint_overhead: torch" in out and "2 gloo ranks" in out
+    table = rows(out, [["off"], ["agree"], ["checkpoints"]])
+    assert list(table) == ["off", "agree", "checkpoints"] and "1.0000x of off" in table["off"]
+    assert re.search(r"^\d+ checkpoints of [\d.]+ MB", out, re.M)
+    assert "--checkpoint-every-min 30: projected cost" in out and "one agreement alone" in out
+
+
+@pytest.mark.slow
+def test_large_data_prints_rss_and_rate_for_each_access(tmp_path):
+    work = tmp_path / "work"
+    argv = ["--work", work, "--volumes", 1, "--shape", 64, 64, 64, "--small-volumes", 1]
+    argv += ["--small-shape", 64, 64, 64, "--epochs", 1, "--samples-per-volume", 2]
+    done = subprocess.run(
+        [sys.executable, "bench/large_data.py", *map(str, argv)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith(("small,", "large,"))]
+    assert [line.split("  ")[0].strip() for line in table] == [
+        "small, memory",
+        "small, mmap",
+        "large, mmap",
+    ]
+    assert all(float(line.split()[3]) > 100 for line in table)  # a peak RSS was read, in MiB
+    assert "large_data: torch" in done.stdout and not work.exists()

@@ -185,6 +185,9 @@ def test_trainjob_refers_to_the_shipped_runtime(rendered_trainjob):
 # The training contract: what launch.sh and the trainer need from a pod
 
 
+GRACE_MARGIN_S = 20  # torchrun's exit and the launcher's after the workers have saved
+
+
 def training_pod_errors(template: dict, container_name: str) -> list[str]:
     """What the IronGrain trainer needs from a training pod, whatever the operator."""
     errors = []
@@ -231,6 +234,15 @@ def training_pod_errors(template: dict, container_name: str) -> list[str]:
         errors.append("allowPrivilegeEscalation must be false")
     if not any(t.get("key") == "nvidia.com/gpu" for t in spec.get("tolerations", [])):
         errors.append("no toleration for nvidia.com/gpu nodes")
+    # SIGTERM -> torchrun gives the workers SHUTDOWN_TIMEOUT s to save -> SIGKILL at the grace
+    # period's end: the checkpoint must fit before it (launch.sh's default is 120 s)
+    grace = spec.get("terminationGracePeriodSeconds", 30)
+    shutdown = int(env.get("SHUTDOWN_TIMEOUT") or 120)
+    if grace < shutdown + GRACE_MARGIN_S:
+        errors.append(
+            f"terminationGracePeriodSeconds {grace} leaves no room for SHUTDOWN_TIMEOUT "
+            f"{shutdown} + {GRACE_MARGIN_S} s (a mid-epoch checkpoint, then exit)"
+        )
     return errors
 
 
@@ -435,6 +447,10 @@ def test_typo_in_builtin_kind_is_rejected(rendered):
             "NO_ALBUMENTATIONS_UPDATE",
         ),
         (lambda j: _master(j)["template"]["spec"].pop("tolerations"), "toleration"),
+        (
+            lambda j: _master(j)["template"]["spec"].pop("terminationGracePeriodSeconds"),
+            "terminationGracePeriodSeconds 30",
+        ),
     ],
     ids=[
         "nproc-vs-gpus",
@@ -444,6 +460,7 @@ def test_typo_in_builtin_kind_is_rejected(rendered):
         "no-fsgroup",
         "no-albu-env",
         "no-toleration",
+        "default-grace-period",
     ],
 )
 def test_training_contract_violations_are_caught(job, break_it, needle):

@@ -1,0 +1,42 @@
+"""Checks that fail in a second, before a precision probe or a data load takes minutes: the run
+dir can be written and the data root can be read. Each failure is one line naming the path, the
+flag and the cause.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from app.atomic import os_cause
+from app.config import ConfigError
+from app.data import DataError
+
+
+def check_output_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` and write and delete a file there: a read-only mount, a missing
+    permission or a full disk shows up now, not after the first epoch."""
+    folder = run_dir
+    probe = folder / f".write-check.{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"irongrain")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as exc:
+        where = exc.filename or folder
+        raise ConfigError(f"--output-dir {run_dir}: cannot write {where}: {os_cause(exc)}") from exc
+
+
+def check_data_root(root: Path) -> None:
+    """List the data root: an unreadable or missing root is named before anything loads."""
+    try:
+        os.listdir(root)
+    except FileNotFoundError:
+        raise DataError(
+            f"{root}: data root is missing (--data-root); see datasets/README.md"
+        ) from None
+    except OSError as exc:
+        raise DataError(f"--data-root {root}: cannot read it: {os_cause(exc)}") from exc
