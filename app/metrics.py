@@ -31,3 +31,24 @@ def dice_iou(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dice = torch.where(empty, 1.0, 2 * tp / (2 * tp + fp + fn).clamp_min(1))
     iou = torch.where(empty, 1.0, tp / union.clamp_min(1))
     return dice, iou
+
+
+def class_counts(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``(K-1, 3)`` ``[TP, FP, FN]`` of each foreground class ``1..K-1`` for K-channel
+    ``logits`` (a voxel's class is the argmax of its float32 softmax) and a class-map ``target``
+    of shape ``(B, 1, ...)``; float64, as :func:`confusion_counts`."""
+    pred = precision.softmax(logits, dim=1).argmax(1)
+    truth = target[:, 0].long()
+    rows = []
+    for c in range(1, logits.shape[1]):
+        p, t = pred == c, truth == c
+        rows.append(torch.stack([(p & t).sum(), (p & ~t).sum(), (~p & t).sum()]))
+    return torch.stack(rows).double()
+
+
+def counts_for(num_classes: int):
+    """The counting function of the task: ``(logits, target) -> (F, 3)`` counts, F = 1 for the
+    binary task, K-1 foreground classes otherwise."""
+    if num_classes < 2:
+        return lambda logits, target: confusion_counts(logits, target)[None]
+    return class_counts

@@ -339,12 +339,13 @@ def fit_patch(median: tuple[int, int, int], voxels: float) -> tuple[int, int, in
 
 
 # ----------------------------------------------------------------------------- fingerprints
-def data_fingerprint(root: Path | str) -> DataFingerprint:
-    """Read the training split (raw), and the validation split's shapes from the headers."""
+def data_fingerprint(root: Path | str, num_classes: int = 1) -> DataFingerprint:
+    """Read the training split (raw), and the validation split's shapes from the headers; with
+    ``num_classes`` >= 2 the figures are of the union of the foreground classes."""
     root = Path(root)
-    train = load_split(root, "train", "raw")
+    train = load_split(root, "train", "raw", num_classes=num_classes)
     images = [vol.image for vol in train]
-    labels = [vol.label for vol in train]
+    labels = [vol.label > 0 if num_classes >= 2 else vol.label for vol in train]
     headers = [volume_header(vol.image_path) for vol in train]
     spacings = [spacing for _, spacing in headers if spacing is not None]
     val_shapes = [volume_header(image)[0] for _, image, _ in pair_files(root / SPLITS["val"])]
@@ -426,7 +427,7 @@ def apply_plan(cfg: Config, given: set[str], plan: Plan) -> Config:
 
 
 def plan_for(cfg: Config, device: torch.device, processes: int) -> Plan:
-    data = data_fingerprint(cfg.data_root)
+    data = data_fingerprint(cfg.data_root, cfg.num_classes)
     return make_plan(data, device_fingerprint(device, processes), cfg.plan_budget_s)
 
 

@@ -186,6 +186,11 @@ def build_predictor(
 ) -> Predictor:
     """UNet3d with the checkpoint's weights on ``device``, in eval mode, under ``cfg``'s
     precision; ``None`` settings come from the checkpoint's config."""
+    if cfg.num_classes >= 2:
+        raise CheckpointError(
+            f"{path}: a --num-classes {cfg.num_classes} model; app.predict writes binary masks "
+            "only (score it with python -m app.train --eval-only --output-dir RUN)"
+        )
     window = check_window(window or cfg.patch_size, cfg.depth)
     overlap = cfg.sw_overlap if overlap is None else overlap
     if not 0.0 <= overlap < 1.0:

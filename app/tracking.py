@@ -96,7 +96,8 @@ class Tracker:
             f.flush()
             os.fsync(f.fileno())
         epoch = record["epoch"]
-        for key in SCALARS:
+        per_class = [k for k in record if "/" in k]  # K >= 2: "dice/NAME", one per class
+        for key in (*SCALARS, *per_class):
             if record.get(key) is not None:
                 self.writer.add_scalar(key, record[key], epoch)
         if sample is not None and self.log_images:

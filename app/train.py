@@ -46,8 +46,8 @@ from app.distributed import (
     unwrap,
 )
 from app.ema import WeightAverage, inference_weights
-from app.floor import Floor, floors_from_volumes
-from app.losses import BCEDiceLoss
+from app.floor import class_floors_from_volumes, floors_from_volumes
+from app.losses import build_loss
 from app.model import build_model
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
 from app.precision import Precision, build_precision
@@ -84,6 +84,7 @@ def run_evaluation(model, val_volumes, loss_fn, precision, env: DistEnv, cfg: Co
         cfg.val_mode,
         cfg.sw_overlap,
         cfg.sw_batch_size,
+        cfg.classes,
     )
 
 
@@ -168,30 +169,21 @@ def weight_average(module: nn.Module, cfg: Config) -> WeightAverage | None:
 
 
 def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
-    dice_v, iou_v = result.per_volume
-    report = {
-        "epoch": epoch,
-        **result.summary(),
-        "volumes": [
-            {
-                "name": n,
-                "dice": float(d),
-                "iou": float(i),
-                "loss": float(row[3]),
-                "tp": int(row[0]),
-                "fp": int(row[1]),
-                "fn": int(row[2]),
-            }
-            for n, d, i, row in zip(result.names, dice_v, iou_v, result.table)
-        ],
-    }
+    report = {"epoch": epoch, **result.summary(), "volumes": result.volume_rows()}
     atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
 
 
-def classical_floor(train_volumes: list, val_volumes: list) -> Floor:
+def classical_floor(train_volumes: list, val_volumes: list, classes: list[str]) -> dict:
     """The best intensity band picked on the training set, scored on validation (global Dice),
-    on the images as the model sees them; logged beside the model's Dice as ``floor_dice``."""
+    on the images as the model sees them; logged beside the model's Dice as ``floor_dice``
+    (K >= 2: each class's band as ``floor_dice/NAME``, their mean as ``floor_dice``)."""
     started = time.perf_counter()
+    if classes:
+        bands = class_floors_from_volumes(train_volumes, val_volumes, classes)
+        for name, band in bands.items():
+            log.info("classical floor of class %s: %s", name, band.describe())
+        figures = {f"floor_dice/{name}": band.val_dice for name, band in bands.items()}
+        return {"floor_dice": sum(figures.values()) / len(figures), **figures}
     floors = floors_from_volumes(train_volumes, val_volumes)
     band, otsu = floors.band, floors.otsu
     log.info(
@@ -204,7 +196,7 @@ def classical_floor(train_volumes: list, val_volumes: list) -> Floor:
         otsu.rule(),
         otsu.val_dice,
     )
-    return floors.band
+    return {"floor_dice": floors.band.val_dice}
 
 
 def planned(
@@ -315,6 +307,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
         cfg.seed,
         fitted=Normalization.saved_in(resumed),  # the statistics its weights were trained on
         with_train=not cfg.eval_only,
+        num_classes=cfg.num_classes,
     )
     train_set = PatchDataset(
         train_volumes,
@@ -331,7 +324,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
     optimizer = build_optimizer(model, cfg, env, precision.backend)
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = prepare(model, optimizer, precision, env)
-    loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
+    loss_fn = build_loss(cfg)  # BCE + Dice, or CE + Dice for --num-classes K >= 2
     average = weight_average(unwrap(model), cfg)
     evaluated = average.model if average else unwrap(model)  # what best.pt is chosen by
 
@@ -361,7 +354,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             log.info("eval of epoch %d: %s", start_epoch, result.summary())
         return result.summary()
 
-    floor = classical_floor(train_volumes, val_volumes) if env.is_primary else None
+    floor = classical_floor(train_volumes, val_volumes, cfg.classes) if env.is_primary else None
     tracker = make_tracker(cfg, env, start_epoch)
     if env.is_primary:
         resolved = decision.to_dict() | ({"plan": plan.reasons} if plan else {})
@@ -403,7 +396,7 @@ def train(settings: Config, env: DistEnv, given: frozenset[str] = frozenset()) -
             val_time = time.perf_counter() - val_started
             record.update(result.summary())
             if floor is not None:
-                record["floor_dice"] = floor.val_dice
+                record.update(floor)
             if cadence.auto:  # rank 0's times, so that every rank picks the same next epoch
                 cadence.measured(epoch, *broadcast_object((val_time, train_time)))
         voxels = totals.samples * math.prod(cfg.patch_size)
