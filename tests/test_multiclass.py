@@ -261,13 +261,28 @@ def test_k3_trains_reports_per_class_and_resumes_exactly(phases, tmp_path):
     best = torch.load(straight / "checkpoints/best.pt", weights_only=True)
     assert best["best_dice"] == max(r["dice"] for r in a)  # the mean foreground Dice
 
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(straight / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"dice/hematite", "dice/magnetite", "iou/hematite", "floor_dice/magnetite"} <= scalars
+    assert [e.step for e in events.Scalars("dice/magnetite")] == [1, 2, 3]
+    assert events.Tags()["images"] == ["val/vol_00"]  # the montage, coloured by class
+
+
+@pytest.fixture(scope="module")
+def k3_run(phases, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("k3") / "run"
+    assert main(train_args(phases, run_dir, 1, "--resume", "none")) == 0
+    return run_dir
+
 
 @pytest.mark.slow
-def test_k3_one_and_two_gloo_processes_count_alike(phases, tmp_path):
+def test_k3_one_and_two_gloo_processes_count_alike(phases, k3_run, tmp_path):
     from test_distributed import launch
 
-    run_dir = tmp_path / "run"
-    assert main(train_args(phases, run_dir, 1, "--resume", "none")) == 0
+    run_dir = k3_run
     reports = {}
     for nproc in (1, 2):
         out = tmp_path / f"eval{nproc}"
@@ -283,3 +298,126 @@ def test_k3_one_and_two_gloo_processes_count_alike(phases, tmp_path):
     for key in ("dice", "iou", "dice/hematite", "iou/magnetite", "dice_per_volume_mean"):
         assert one[key] == two[key]
     assert set(one["volumes"][0]["classes"]) == {"hematite", "magnetite"}
+
+
+# ----------------------------------------------------------------------------- predict, evaluate
+def test_predict_writes_a_label_map_that_evaluate_scores_as_the_trainer(phases, k3_run, tmp_path):
+    from app.evaluate import main as evaluate_main
+    from app.predict import main as predict_main
+    from app.volume_io import read_volume
+
+    out = tmp_path / "pred"
+    checkpoint = k3_run / "checkpoints/last.pt"
+    images, labels = phases / "val_patches/images", phases / "val_patches/labels"
+    assert (
+        predict_main(
+            ["--checkpoint", str(checkpoint), "--input", str(images), "--output", str(out)]
+        )
+        == 0
+    )
+    mask, _ = read_volume(out / "vol_00_mask.nii.gz")
+    probs = np.stack(
+        [
+            read_volume(out / f"vol_00_probs_{n}.nii.gz")[0]
+            for n in ("pore", "hematite", "magnetite")
+        ]
+    )
+    assert mask.dtype == np.uint8 and probs.dtype == np.float32
+    assert np.allclose(probs.sum(0), 1.0, atol=1e-5) and np.array_equal(mask, probs.argmax(0))
+
+    names = ["--num-classes", "3", "--class-names", "pore", "hematite", "magnetite"]
+    summary_path = tmp_path / "eval.json"
+    args = ["--pred", str(out), "--labels", str(labels), "--out", str(summary_path), *names]
+    assert evaluate_main(args) == 0
+    summary = json.loads(summary_path.read_text())
+    trainer = records(k3_run)[-1]
+    for name in ("hematite", "magnetite"):
+        assert summary["global"][name]["dice"] == pytest.approx(trainer[f"dice/{name}"], abs=1e-9)
+    assert summary["mean_foreground"]["global"]["dice"] == pytest.approx(trainer["dice"], abs=1e-9)
+    assert (tmp_path / "eval.csv").read_text().count("\n") == 1 + 3 * 2  # volume x class rows
+
+
+def test_predict_and_evaluate_refuse_what_does_not_fit_label_maps(k3_run, phases, tmp_path, capsys):
+    from app.evaluate import main as evaluate_main
+    from app.predict import main as predict_main
+
+    images = phases / "val_patches/images"
+    checkpoint = k3_run / "checkpoints/last.pt"
+    args = [
+        "--checkpoint",
+        checkpoint,
+        "--input",
+        images,
+        "--output",
+        tmp_path / "p",
+        "--fill-holes",
+    ]
+    assert predict_main([str(a) for a in args]) == 2
+    assert "--fill-holes clean binary masks" in capsys.readouterr().err
+
+    preds = tmp_path / "floats"
+    preds.mkdir()
+    bad = preds / "vol_00.nii.gz"
+    write_volume(bad, np.zeros((16, 32, 32), np.float32), VolumeMeta(".nii.gz", affine=np.eye(4)))
+    labels = tmp_path / "labels"
+    labels.mkdir()
+    write_volume(
+        labels / "vol_00.nii.gz",
+        np.zeros((16, 32, 32), np.uint8),
+        VolumeMeta(".nii.gz", affine=np.eye(4)),
+    )
+    out = str(tmp_path / "e.json")
+    assert (
+        evaluate_main(
+            ["--pred", str(preds), "--labels", str(labels), "--out", out, "--num-classes", "3"]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert str(bad) in err and "integer class map" in err
+    assert (
+        evaluate_main(
+            [
+                "--pred",
+                str(preds),
+                "--labels",
+                str(labels),
+                "--out",
+                out,
+                "--num-classes",
+                "3",
+                "--class-names",
+                "a",
+                "b",
+            ]
+        )
+        == 2
+    )
+    assert "--class-names" in capsys.readouterr().err
+
+
+def test_montage_colours_each_class_and_report_leaves_grains_out(k3_run, phases):
+    from matplotlib.colors import to_rgb
+
+    from app.report import CLASS_COLOURS, montage_figure
+    from app.report import main as report_main
+
+    label = np.zeros((4, 24, 24), np.uint8)
+    label[:, 2:10, 2:10], label[:, 12:22, 12:22] = 1, 2
+    rgb = montage_figure(
+        np.random.default_rng(0).normal(size=label.shape),
+        label,
+        label,
+        "t",
+        2,
+        classes=["bg", "a", "b"],
+    )
+    assert rgb.ndim == 3 and rgb.shape[2] == 3
+    pixels = rgb.reshape(-1, 3).astype(int)
+    for colour in CLASS_COLOURS[:2]:  # each class's outline colour is drawn
+        target = np.array(to_rgb(colour)) * 255
+        assert (np.abs(pixels - target).max(1) < 8).any(), colour
+
+    assert report_main([str(k3_run), "--volumes", "1", "--data-root", str(phases)]) == 0
+    written = {p.name for p in (k3_run / "report").iterdir()}
+    assert "montage_vol_00.png" in written and not any(n.startswith("grains_") for n in written)
