@@ -4,6 +4,10 @@ Dice = 2TP / (2TP + FP + FN), IoU = TP / (TP + FP + FN), of the thresholded pred
 (sigmoid > 0.5). A volume that is empty in both prediction and label scores 1 for both: there
 was nothing to find and nothing was found. The global figures sum the counts over the whole
 validation set first, so large volumes weigh more; the per-volume mean weighs volumes equally.
+
+With ``--num-classes K >= 2`` (:func:`class_counts`) a voxel's class is the argmax of its float32
+softmax, and each foreground class ``1..K-1`` gets its own TP/FP/FN (class c against the rest);
+the background is not scored, as its Dice is near 1 on any CT volume.
 """
 
 from __future__ import annotations

@@ -137,7 +137,8 @@ def restore(
         saved = state["config"]
         raise CheckpointError(
             f"{path}: its weights do not fit this model: it was trained with --f-maps "
-            f"{saved.get('f_maps')} --depth {saved.get('depth')}; resume with those, or use a "
+            f"{saved.get('f_maps')} --depth {saved.get('depth')} --num-classes "
+            f"{saved.get('num_classes', 1)}; resume with those, or use a "
             f"new --output-dir ({str(exc).splitlines()[0]})"
         ) from exc
     kernels = [group.get("fused") for group in optimizer.param_groups]

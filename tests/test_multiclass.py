@@ -421,3 +421,21 @@ def test_montage_colours_each_class_and_report_leaves_grains_out(k3_run, phases)
     assert report_main([str(k3_run), "--volumes", "1", "--data-root", str(phases)]) == 0
     written = {p.name for p in (k3_run / "report").iterdir()}
     assert "montage_vol_00.png" in written and not any(n.startswith("grains_") for n in written)
+
+
+def test_plan_reads_class_maps(phases, tmp_path, capsys):
+    from app.plan import main as plan_main
+
+    out = tmp_path / "plan.yaml"
+    assert plan_main(["--data-root", str(phases), "--num-classes", "3", "--out", str(out)]) == 0
+    assert "--num-classes 3" in capsys.readouterr().out and out.is_file()
+    assert plan_main(["--data-root", str(phases)]) == 2  # class maps are not binary labels
+    assert "labels must be binary" in capsys.readouterr().err
+
+
+def test_resume_with_another_num_classes_is_refused(phases, k3_run, tmp_path, capsys):
+    checkpoint = k3_run / "checkpoints/last.pt"
+    args = train_args(phases, tmp_path / "run", 2, "--resume", checkpoint)
+    args[args.index("--num-classes") + 1 : args.index("--milestones")] = ["4"]
+    assert main([str(a) for a in args]) == 2
+    assert "trained with --f-maps 4 --depth 3 --num-classes 3" in capsys.readouterr().err
