@@ -8,9 +8,10 @@ naming its file, before any training starts.
 Policies:
 
 - Labels: ``{0, 1}``, ``{0, 255}`` or bool; stored as uint8 ``{0, 1}``. With ``--num-classes K
-  >= 2``, integer class maps ``0..K-1`` (0 = background), stored as uint8; a float label or a
-  value outside ``0..K-1`` is refused, and a foreground class absent from a whole split is warned
-  about (:func:`check_class_label`, :func:`warn_missing_classes`).
+  >= 2``, integer class maps ``0..K-1`` (0 = background), stored as uint8; a value outside
+  ``0..K-1`` or a fractional float value is refused, a float map of whole numbers is read with a
+  warning, and a foreground class absent from a whole split is warned about
+  (:func:`check_class_label`, :func:`warn_missing_classes`).
 - Normalisation (:class:`Normalization`): per volume (z-score, or clipping to the 0.5-99.5
   percentiles scaled to [0, 1]), or one clip and z-score fitted on the training set (``dataset``).
 - A volume smaller than the training patch is padded, centred, to the patch size: the image with
@@ -73,20 +74,29 @@ def _shown(values: np.ndarray) -> str:
 
 
 def check_class_label(array: np.ndarray, path: Path, num_classes: int) -> np.ndarray:
-    """A class map of ``--num-classes K``: integers ``0..K-1``, returned as uint8."""
-    if array.dtype == bool or array.dtype.kind not in "iu":
-        values = np.unique(array)
+    """A class map of ``--num-classes K``: integers ``0..K-1``, returned as uint8. A float map
+    with a fractional value (an interpolated or probability map) is refused; one whose values
+    are all whole numbers (some tools save label maps as float32) is read, with a warning."""
+    values = np.unique(array)
+    fractional = array.dtype.kind == "f" and not np.array_equal(values, np.round(values))
+    if array.dtype.kind not in "biuf" or fractional:
         raise VolumeError(
             f"{path}: labels for --num-classes {num_classes} must be an integer class map "
             f"0..{num_classes - 1}, got dtype {array.dtype} with {values.size} values: "
             f"{_shown(values)}"
         )
-    values = np.unique(array)
     outside = values[(values < 0) | (values >= num_classes)]
     if outside.size:
         raise VolumeError(
             f"{path}: label values outside 0..{num_classes - 1} (--num-classes {num_classes}): "
             f"{_shown(outside)}; all values found: {_shown(values)}"
+        )
+    if array.dtype.kind == "f":
+        log.warning(
+            "%s: a %s label map; its values %s are whole numbers, read as classes",
+            path,
+            array.dtype,
+            _shown(values),
         )
     return array.astype(np.uint8)
 

@@ -38,13 +38,14 @@ Policies
   the spacing's unit. The summary pools them: summed counts, and the errors of the pooled
   distributions. ``grains.truth`` says where the true grains came from.
 - Label maps (``--num-classes K >= 2``, names from ``--class-names``): labels and predictions are
-  integer class maps ``0..K-1`` (0 = background; a float map or a value outside the range is an
-  error naming the file, as in training), paired by name as above (``NAME_probs_CLASS.EXT`` files
-  beside the map are no extra). Per volume and per foreground class: the counts, Dice, IoU,
-  precision and recall of ``pred == c`` against ``label == c``; the summary gives each class's
-  mean over volumes and its global figures from summed counts (the trainer's ``dice/CLASS``),
-  and their mean over the foreground classes (the trainer's ``dice``). HD95 and the grain
-  figures are binary-only and left out; the CSV has one row per volume and class.
+  integer class maps ``0..K-1`` (0 = background; a fractional float map, such as probabilities,
+  or a value outside the range is an error naming the file, as in training), paired by name as
+  above (``NAME_probs_CLASS.EXT`` files beside the map are no extra). Per volume and per
+  foreground class: the counts, Dice, IoU, precision and recall of ``pred == c`` against
+  ``label == c``; the summary gives each class's mean over volumes and its global figures from
+  summed counts (the trainer's ``dice/CLASS``), and their mean over the foreground classes (the
+  trainer's ``dice``). HD95 and the grain figures are binary-only and left out; the CSV has one
+  row per volume and class.
 """
 
 from __future__ import annotations

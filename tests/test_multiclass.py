@@ -175,9 +175,10 @@ def test_class_names_must_match_num_classes():
     [
         (np.full((8, 8, 8), 3, np.uint8), "values outside 0..2 (--num-classes 3): 3"),
         (
-            np.full((8, 8, 8), 1.0, np.float32),
+            np.full((8, 8, 8), 0.5, np.float32),
             "must be an integer class map 0..2, got dtype float32",
         ),
+        (np.full((8, 8, 8), 3.0, np.float32), "values outside 0..2 (--num-classes 3): 3"),
         (np.full((8, 8, 8), -1, np.int16), "values outside 0..2 (--num-classes 3): -1"),
     ],
 )
@@ -188,6 +189,18 @@ def test_bad_class_labels_are_refused_by_name(tmp_path, label, fragment):
     with pytest.raises(DataError) as error:
         load_split(root, "train", "zscore", num_classes=3)
     assert str(bad) in str(error.value) and fragment in str(error.value)
+
+
+def test_a_whole_numbered_float_label_is_read_with_a_warning(tmp_path, caplog):
+    root = write_phases(tmp_path / "data", n_train=1, n_val=1, shape=(8, 8, 8))
+    path = root / "train_patches/labels/vol_00.nii.gz"
+    label = np.zeros((8, 8, 8), np.float32)
+    label[:4], label[4:] = 1.0, 2.0
+    write_volume(path, label, VolumeMeta(".nii.gz", affine=np.eye(4)))
+    with caplog.at_level(logging.WARNING, logger="app.data"):
+        (vol,) = load_split(root, "train", "zscore", num_classes=3)
+    assert vol.label.dtype == np.uint8 and set(np.unique(vol.label)) == {1, 2}
+    assert f"{path}: a float32 label map; its values 1, 2 are whole numbers" in caplog.text
 
 
 def test_a_missing_class_is_warned_about_by_folder(tmp_path, caplog):
@@ -358,7 +371,8 @@ def test_predict_and_evaluate_refuse_what_does_not_fit_label_maps(k3_run, phases
     preds = tmp_path / "floats"
     preds.mkdir()
     bad = preds / "vol_00.nii.gz"
-    write_volume(bad, np.zeros((16, 32, 32), np.float32), VolumeMeta(".nii.gz", affine=np.eye(4)))
+    probabilities = np.full((16, 32, 32), 0.3, np.float32)  # not a label map
+    write_volume(bad, probabilities, VolumeMeta(".nii.gz", affine=np.eye(4)))
     labels = tmp_path / "labels"
     labels.mkdir()
     write_volume(
