@@ -54,6 +54,13 @@ class Volume:
     # K >= 2: flat indices of sampled voxels of each foreground class 1..K-1 (empty: binary)
     class_voxels: list[np.ndarray] = field(default_factory=list, repr=False)
 
+    def foreground_centre(self, rng: np.random.Generator) -> tuple[int, ...]:
+        """A sampled foreground voxel; K >= 2: of a class picked uniformly among those present,
+        so that a rare phase is centred as often as a common one."""
+        present = [v for v in self.class_voxels if v.size]
+        voxels = present[int(rng.integers(len(present)))] if present else self.foreground
+        return np.unravel_index(int(rng.choice(voxels)), self.image.shape)
+
 
 def binarize_label(array: np.ndarray, path: Path) -> np.ndarray:
     if array.dtype == bool:
@@ -389,11 +396,7 @@ class PatchDataset(Dataset):
     def patch_start(self, vol: Volume, rng: np.random.Generator) -> list[int]:
         shape, size = vol.image.shape, self.patch_size
         if vol.foreground.size and rng.random() < self.foreground_fraction:
-            # K >= 2: a class first, uniformly among those present, so that a rare phase is
-            # centred as often as a common one
-            present = [v for v in vol.class_voxels if v.size]
-            voxels = present[int(rng.integers(len(present)))] if present else vol.foreground
-            centre = np.unravel_index(int(rng.choice(voxels)), shape)
+            centre = vol.foreground_centre(rng)
             return [int(np.clip(c - s // 2, 0, d - s)) for c, s, d in zip(centre, size, shape)]
         return [int(rng.integers(0, d - s + 1)) for s, d in zip(size, shape)]
 

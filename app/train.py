@@ -178,13 +178,13 @@ def classical_floor(train_volumes: list, val_volumes: list, classes: list[str]) 
     """The best intensity band picked on the training set, scored on validation (global Dice),
     on the images as the model sees them; logged beside the model's Dice as ``floor_dice``
     (K >= 2: each class's band as ``floor_dice/NAME``, their mean as ``floor_dice``)."""
-    started = time.perf_counter()
     if classes:
         bands = class_floors_from_volumes(train_volumes, val_volumes, classes)
         for name, band in bands.items():
             log.info("classical floor of class %s: %s", name, band.describe())
         figures = {f"floor_dice/{name}": band.val_dice for name, band in bands.items()}
         return {"floor_dice": sum(figures.values()) / len(figures), **figures}
+    started = time.perf_counter()
     floors = floors_from_volumes(train_volumes, val_volumes)
     band, otsu = floors.band, floors.otsu
     log.info(

@@ -159,8 +159,8 @@ def evaluate(
         table[index, :-1] = count(logits, label).flatten()
         table[index, -1] = loss_fn(logits, label).double()
         if sample is None:
-            # binary: sigmoid > 0.5 <=> logit > 0; K >= 2: the argmax class (the montage
-            # outlines the union of the foreground classes)
+            # binary: sigmoid > 0.5 <=> logit > 0; K >= 2: the argmax class (the montage colours
+            # each class)
             pred = (logits[0].argmax(0) if classes else logits[0, 0] > 0).cpu().numpy()
             z = pick_slices(vol.label, pred, MONTAGE_SLICES)
             dice = float(dice_iou(table[index, :-1].reshape(-1, 3))[0].mean())

@@ -453,3 +453,16 @@ def test_resume_with_another_num_classes_is_refused(phases, k3_run, tmp_path, ca
     args[args.index("--num-classes") + 1 : args.index("--milestones")] = ["4"]
     assert main([str(a) for a in args]) == 2
     assert "trained with --f-maps 4 --depth 3 --num-classes 3" in capsys.readouterr().err
+
+
+def test_padding_keeps_each_class_at_its_padded_place():
+    from app.data import Volume, class_voxels
+
+    label = np.zeros((4, 6, 6), np.uint8)
+    label[1, 1, 1], label[2, 4, 4] = 1, 2
+    voxels = class_voxels(label, 3, np.random.default_rng(0))
+    vol = Volume("v", label.astype(np.float32), label, None, np.concatenate(voxels), voxels)
+    (padded,) = PatchDataset([vol], (8, 8, 8), 1, 1.0, False, 0).volumes
+    assert padded.label.shape == (8, 8, 8)
+    for c, flat in enumerate(padded.class_voxels, start=1):
+        assert flat.size == 1 and padded.label.ravel()[flat[0]] == c
