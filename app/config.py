@@ -101,8 +101,8 @@ class Config:
     )
     class_names: list[str] = _opt(
         [],
-        "names of the K classes of --num-classes K >= 2, background first (default: class0 "
-        "... classK-1)",
+        "names of the K classes of --num-classes K >= 2, background first; none: class0 ... "
+        "classK-1",
         "model",
     )
 
