@@ -189,13 +189,16 @@ def pair_files(pred_dir: Path, labels_dir: Path, classes: list[str] = ()) -> lis
             )
             continue
         chosen = masks[0] if masks else f"{name}_probs" if f"{name}_probs" in preds else None
-        if classes:
+        if classes:  # a label map; its per-class probabilities (any names) are no extra
             chosen = masks[0] if masks else None
-            used.update(f"{name}_probs_{c}" for c in classes)
+            used.update(n for n in preds if n.startswith(f"{name}_probs_"))
         if chosen is None:
-            problems.append(
-                f"{label}: no prediction {name}_mask.*, {name}.* or {name}_probs.* in {pred_dir}"
+            options = (
+                f"{name}_mask.* or {name}.*"
+                if classes
+                else (f"{name}_mask.*, {name}.* or {name}_probs.*")
             )
+            problems.append(f"{label}: no prediction {options} in {pred_dir}")
             continue
         used.update({chosen, f"{name}_probs"})  # the probabilities next to a mask are no extra
         pairs.append(Pair(name, preds[chosen], label))

@@ -348,6 +348,11 @@ def test_predict_writes_a_label_map_that_evaluate_scores_as_the_trainer(phases, 
         assert summary["global"][name]["dice"] == pytest.approx(trainer[f"dice/{name}"], abs=1e-9)
     assert summary["mean_foreground"]["global"]["dice"] == pytest.approx(trainer["dice"], abs=1e-9)
     assert (tmp_path / "eval.csv").read_text().count("\n") == 1 + 3 * 2  # volume x class rows
+    # unnamed classes: the label maps are scored the same, the named probabilities are no extra
+    unnamed = ["--pred", str(out), "--labels", str(labels), "--out", str(tmp_path / "u.json")]
+    assert evaluate_main([*unnamed, "--num-classes", "3"]) == 0
+    plain = json.loads((tmp_path / "u.json").read_text())
+    assert plain["global"]["class2"]["dice"] == summary["global"]["magnetite"]["dice"]
 
 
 def test_predict_and_evaluate_refuse_what_does_not_fit_label_maps(k3_run, phases, tmp_path, capsys):
