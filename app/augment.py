@@ -133,4 +133,5 @@ class Augment:
         self.spatial.set_random_state(seed=seed)
         out = self.spatial({"image": image[None], "label": label[None].astype(np.float32)})
         deformed = np.asarray(out["image"])[0]
-        return deformed.astype(np.float32), (np.asarray(out["label"])[0] > 0.5).astype(np.uint8)
+        # nearest neighbour keeps the label's values; rounding (not > 0.5) keeps class maps
+        return deformed.astype(np.float32), np.rint(np.asarray(out["label"])[0]).astype(np.uint8)

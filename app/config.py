@@ -99,6 +99,19 @@ class Config:
         "this machine (see --auto-probe)",
         "model",
     )
+    num_classes: int = _opt(
+        1,
+        "1: binary (sigmoid head, BCE + Dice); K >= 2: labels are class maps 0..K-1 (0 = "
+        "background), a K-channel softmax head trained with cross-entropy + Dice over the "
+        "foreground classes, scored per class",
+        "model",
+    )
+    class_names: list[str] = _opt(
+        [],
+        "names of the K classes of --num-classes K >= 2, background first; none: class0 ... "
+        "classK-1",
+        "model",
+    )
 
     # optimisation
     epochs: int = _opt(100, "epochs to train", "optim")
@@ -117,7 +130,9 @@ class Config:
         "0.999); validation, best.pt and app.predict then use the average; 0 = off",
         "optim",
     )
-    bce_weight: float = _opt(1.0, "weight of the BCE term of the loss", "optim")
+    bce_weight: float = _opt(
+        1.0, "weight of the BCE term of the loss (cross-entropy with --num-classes >= 2)", "optim"
+    )
     dice_weight: float = _opt(1.0, "weight of the soft Dice term of the loss", "optim")
 
     # mixed precision
@@ -210,6 +225,13 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir)
+
+    @property
+    def classes(self) -> list[str]:
+        """The class names, background first; ``[]`` for the binary task."""
+        if self.num_classes < 2:
+            return []
+        return list(self.class_names) or [f"class{k}" for k in range(self.num_classes)]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples): safe for YAML and for ``torch.load(weights_only)``."""
@@ -369,6 +391,19 @@ def validate(cfg: Config) -> None:
     ):
         need(getattr(cfg, name) >= 1, name, "must be at least 1")
     need(cfg.depth >= 2, "depth", "must be at least 2")
+    need(cfg.num_classes >= 1, "num_classes", "must be 1 (binary) or the number of classes K")
+    need(
+        not cfg.class_names or len(cfg.class_names) == cfg.num_classes >= 2,
+        "class_names",
+        f"needs one name per class for --num-classes {cfg.num_classes} (2 or more), "
+        "background first",
+    )
+    need(
+        len(set(cfg.class_names)) == len(cfg.class_names)
+        and all(n and "/" not in n for n in cfg.class_names),
+        "class_names",
+        "must be distinct, non-empty names without '/'",
+    )
     smallest = 2 ** (cfg.depth - 1)
     need(
         min(cfg.patch_size) >= smallest,
@@ -404,6 +439,12 @@ def validate(cfg: Config) -> None:
         cfg.plan != "auto" or cfg.data_access == "memory",
         "data_access",
         "mmap cannot be combined with --plan auto (the plan reads every volume whole)",
+    )
+    need(
+        cfg.num_classes == 1 or cfg.data_access == "memory",
+        "data_access",
+        "mmap reads binary labels only; use --data-access memory with --num-classes "
+        f"{cfg.num_classes}",
     )
     need(
         cfg.checkpoint_every_min >= 0 or cfg.checkpoint_every_min == -1,

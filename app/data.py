@@ -7,7 +7,11 @@ naming its file, before any training starts.
 
 Policies:
 
-- Labels: ``{0, 1}``, ``{0, 255}`` or bool; stored as uint8 ``{0, 1}``.
+- Labels: ``{0, 1}``, ``{0, 255}`` or bool; stored as uint8 ``{0, 1}``. With ``--num-classes K
+  >= 2``, integer class maps ``0..K-1`` (0 = background), stored as uint8; a value outside
+  ``0..K-1`` or a fractional float value is refused, a float map of whole numbers is read with a
+  warning, and a foreground class absent from a whole split is warned about
+  (:func:`check_class_label`, :func:`warn_missing_classes`).
 - Normalisation (:class:`Normalization`): per volume (z-score, or clipping to the 0.5-99.5
   percentiles scaled to [0, 1]), or one clip and z-score fitted on the training set (``dataset``).
 - A volume smaller than the training patch is padded, centred, to the patch size: the image with
@@ -18,6 +22,7 @@ Policies:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,7 @@ from app.atomic import os_cause
 from app.augment import Augment
 from app.volume_io import EXTENSIONS, VolumeError, is_volume_file, read_volume, split_ext
 
+log = logging.getLogger(__name__)
 SPLITS = {"train": "train_patches", "val": "val_patches"}
 FOREGROUND_SAMPLES = 10_000  # candidate centres kept per volume for foreground oversampling
 
@@ -46,6 +52,15 @@ class Volume:
     label: np.ndarray  # uint8 {0, 1}
     image_path: Path
     foreground: np.ndarray = field(repr=False)  # flat indices of sampled foreground voxels
+    # K >= 2: flat indices of sampled voxels of each foreground class 1..K-1 (empty: binary)
+    class_voxels: list[np.ndarray] = field(default_factory=list, repr=False)
+
+    def foreground_centre(self, rng: np.random.Generator) -> tuple[int, ...]:
+        """A sampled foreground voxel; K >= 2: of a class picked uniformly among those present,
+        so that a rare phase is centred as often as a common one."""
+        present = [v for v in self.class_voxels if v.size]
+        voxels = present[int(rng.integers(len(present)))] if present else self.foreground
+        return np.unravel_index(int(rng.choice(voxels)), self.image.shape)
 
     # what PatchDataset reads, shared with app.lazy_data.LazyVolume (patches read from disk)
     @property
@@ -58,9 +73,6 @@ class Volume:
 
     def patch(self, window: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
         return self.image[window], self.label[window]
-
-    def foreground_centre(self, rng: np.random.Generator) -> tuple[int, ...]:
-        return np.unravel_index(int(rng.choice(self.foreground)), self.image.shape)
 
     def sampled(self) -> Volume:
         return self
@@ -77,11 +89,71 @@ def binarize_label(array: np.ndarray, path: Path) -> np.ndarray:
         return array.astype(np.uint8)
     if np.isin(values, (0, 255)).all():
         return (array == 255).astype(np.uint8)
-    shown = ", ".join(f"{v:g}" for v in values[:8]) + (", ..." if values.size > 8 else "")
     raise VolumeError(
         f"{path}: labels must be binary ({{0, 1}}, {{0, 255}} or bool); found {values.size} "
-        f"values: {shown}"
+        f"values: {_shown(values)}"
     )
+
+
+def _shown(values: np.ndarray) -> str:
+    return ", ".join(f"{v:g}" for v in values[:8]) + (", ..." if values.size > 8 else "")
+
+
+def check_class_label(array: np.ndarray, path: Path, num_classes: int) -> np.ndarray:
+    """A class map of ``--num-classes K``: integers ``0..K-1``, returned as uint8. A float map
+    with a fractional value (an interpolated or probability map) is refused; one whose values
+    are all whole numbers (some tools save label maps as float32) is read, with a warning."""
+    values = np.unique(array)
+    fractional = array.dtype.kind == "f" and not np.array_equal(values, np.round(values))
+    if array.dtype.kind not in "biuf" or fractional:
+        raise VolumeError(
+            f"{path}: labels for --num-classes {num_classes} must be an integer class map "
+            f"0..{num_classes - 1}, got dtype {array.dtype} with {values.size} values: "
+            f"{_shown(values)}"
+        )
+    outside = values[(values < 0) | (values >= num_classes)]
+    if outside.size:
+        raise VolumeError(
+            f"{path}: label values outside 0..{num_classes - 1} (--num-classes {num_classes}): "
+            f"{_shown(outside)}; all values found: {_shown(values)}"
+        )
+    if array.dtype.kind == "f":
+        log.warning(
+            "%s: a %s label map; its values %s are whole numbers, read as classes",
+            path,
+            array.dtype,
+            _shown(values),
+        )
+    return array.astype(np.uint8)
+
+
+def warn_missing_classes(volumes: list[Volume], folder: Path, num_classes: int) -> None:
+    """Warn when a foreground class occurs in no label of a split: it cannot be learned (train)
+    or scored (val) there."""
+    present = set()
+    for vol in volumes:
+        present.update(np.unique(vol.label).tolist())
+    missing = [c for c in range(1, num_classes) if c not in present]
+    if missing:
+        log.warning(
+            "%s: no label holds class(es) %s of --num-classes %d; values found: %s",
+            folder,
+            missing,
+            num_classes,
+            sorted(present),
+        )
+
+
+def class_voxels(label: np.ndarray, num_classes: int, rng: np.random.Generator) -> list:
+    """Flat indices of up to ``FOREGROUND_SAMPLES`` voxels of each foreground class: the centres
+    that foreground oversampling draws from, class by class."""
+    out = []
+    for c in range(1, num_classes):
+        voxels = np.flatnonzero(label == c)
+        if voxels.size > FOREGROUND_SAMPLES:
+            voxels = rng.choice(voxels, FOREGROUND_SAMPLES, replace=False)
+        out.append(voxels)
+    return out
 
 
 def check_finite(array: np.ndarray, path: Path) -> None:
@@ -219,6 +291,7 @@ def load_volume_pair(
     label_path: Path,
     normalization: Normalization | str,
     rng: np.random.Generator,
+    num_classes: int = 1,
 ) -> Volume:
     if isinstance(normalization, str):
         normalization = Normalization(normalization)
@@ -231,6 +304,10 @@ def load_volume_pair(
             f"{image_path}: shape {image.shape} differs from its label "
             f"{label_path} with shape {label.shape}"
         )
+    if num_classes >= 2:
+        label = check_class_label(label, label_path, num_classes)
+        voxels = class_voxels(label, num_classes, rng)
+        return Volume(name, normalization(image), label, image_path, np.concatenate(voxels), voxels)
     label = binarize_label(label, label_path)
     foreground = np.flatnonzero(label)
     if foreground.size > FOREGROUND_SAMPLES:
@@ -239,7 +316,11 @@ def load_volume_pair(
 
 
 def load_split(
-    root: Path | str, split: str, normalization: Normalization | str, seed: int = 0
+    root: Path | str,
+    split: str,
+    normalization: Normalization | str,
+    seed: int = 0,
+    num_classes: int = 1,
 ) -> list[Volume]:
     """Load and check every pair of a split; all problems are raised together."""
     root = Path(root)
@@ -252,11 +333,15 @@ def load_split(
     volumes, problems = [], []
     for name, image_path, label_path in pairs:
         try:
-            volumes.append(load_volume_pair(name, image_path, label_path, normalization, rng))
+            volumes.append(
+                load_volume_pair(name, image_path, label_path, normalization, rng, num_classes)
+            )
         except VolumeError as exc:
             problems.append(str(exc))
     if problems:
         raise DataError("\n".join(problems))
+    if num_classes >= 2:
+        warn_missing_classes(volumes, root / SPLITS[split] / "labels", num_classes)
     return volumes
 
 
@@ -266,16 +351,17 @@ def load_train_val(
     seed: int = 0,
     fitted: Normalization | None = None,
     with_train: bool = True,
+    num_classes: int = 1,
 ) -> tuple[list[Volume], list[Volume], Normalization]:
     """Both splits, normalised alike: ``fitted`` (a resumed run's) or fitted here on train."""
-    train = load_split(root, "train", "raw", seed) if with_train else []
+    train = load_split(root, "train", "raw", seed, num_classes) if with_train else []
     if fitted is None:
         if mode == "dataset" and not with_train:
             raise DataError(f"{root}: dataset normalisation needs the training split to fit it")
         fitted = Normalization.fit(mode, [vol.image for vol in train])
     for vol in train:
         vol.image = fitted(vol.image)
-    return train, load_split(root, "val", fitted, seed), fitted
+    return train, load_split(root, "val", fitted, seed, num_classes), fitted
 
 
 class PatchDataset(Dataset):
@@ -311,7 +397,13 @@ class PatchDataset(Dataset):
                 )
                 out = pad(volume=vol.image, mask3d=vol.label)
                 foreground = np.flatnonzero(out["mask3d"])[:FOREGROUND_SAMPLES]
-                vol = Volume(vol.name, out["volume"], out["mask3d"], vol.image_path, foreground)
+                voxels = [  # the same classes, at their padded indices
+                    np.flatnonzero(out["mask3d"] == c)[:FOREGROUND_SAMPLES]
+                    for c in range(1, len(vol.class_voxels) + 1)
+                ]
+                vol = Volume(
+                    vol.name, out["volume"], out["mask3d"], vol.image_path, foreground, voxels
+                )
             self.volumes.append(vol)
         self.samples_per_volume = samples_per_volume
         self.foreground_fraction = foreground_fraction

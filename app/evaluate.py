@@ -37,6 +37,15 @@ Policies
   (predicted - true d10/d50/d90 of the equivalent diameters, and their Wasserstein distance) in
   the spacing's unit. The summary pools them: summed counts, and the errors of the pooled
   distributions. ``grains.truth`` says where the true grains came from.
+- Label maps (``--num-classes K >= 2``, names from ``--class-names``): labels and predictions are
+  integer class maps ``0..K-1`` (0 = background; a fractional float map, such as probabilities,
+  or a value outside the range is an error naming the file, as in training), paired by name as
+  above (``NAME_probs_CLASS.EXT`` files beside the map are no extra). Per volume and per
+  foreground class: the counts, Dice, IoU, precision and recall of ``pred == c`` against
+  ``label == c``; the summary gives each class's mean over volumes and its global figures from
+  summed counts (the trainer's ``dice/CLASS``), and their mean over the foreground classes (the
+  trainer's ``dice``). HD95 and the grain figures are binary-only and left out; the CSV has one
+  row per volume and class.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ from scipy import ndimage
 
 from app import grains
 from app.atomic import atomic_write_bytes
-from app.data import binarize_label, check_finite
+from app.data import binarize_label, check_class_label, check_finite
 from app.predict import HelpFormatter
 from app.volume_io import (
     EXTENSIONS,
@@ -166,8 +175,9 @@ def index_folder(folder: Path, flag: str) -> dict[str, Path]:
     return found
 
 
-def pair_files(pred_dir: Path, labels_dir: Path) -> list[Pair]:
-    """Pairs by name (see the module docstring); every problem is reported at once."""
+def pair_files(pred_dir: Path, labels_dir: Path, classes: list[str] = ()) -> list[Pair]:
+    """Pairs by name (see the module docstring); every problem is reported at once. With
+    ``classes`` (K >= 2) a label map is required and the per-class probabilities are skipped."""
     preds, labels = index_folder(pred_dir, "--pred"), index_folder(labels_dir, "--labels")
     pairs, used, problems = [], set(), []
     for name, label in labels.items():
@@ -179,10 +189,16 @@ def pair_files(pred_dir: Path, labels_dir: Path) -> list[Pair]:
             )
             continue
         chosen = masks[0] if masks else f"{name}_probs" if f"{name}_probs" in preds else None
+        if classes:  # a label map; its per-class probabilities (any names) are no extra
+            chosen = masks[0] if masks else None
+            used.update(n for n in preds if n.startswith(f"{name}_probs_"))
         if chosen is None:
-            problems.append(
-                f"{label}: no prediction {name}_mask.*, {name}.* or {name}_probs.* in {pred_dir}"
+            options = (
+                f"{name}_mask.* or {name}.*"
+                if classes
+                else (f"{name}_mask.*, {name}.* or {name}_probs.*")
             )
+            problems.append(f"{label}: no prediction {options} in {pred_dir}")
             continue
         used.update({chosen, f"{name}_probs"})  # the probabilities next to a mask are no extra
         pairs.append(Pair(name, preds[chosen], label))
@@ -276,6 +292,68 @@ def evaluate_pair(
         truth = grains.true_instances(label, pair.label, pair.instances, grain_params, spacing)
         row.update(grain_scores(pred, truth, grain_params, spacing, unit))
     return row
+
+
+CLASS_CSV_COLUMNS = ("name", "class", "tp", "fp", "fn", "dice", "iou", "precision", "recall")
+
+
+def evaluate_classes_pair(pair: Pair, classes: list[str]) -> dict[str, Any]:
+    """One volume's per-class figures of a label map (``classes``: background first)."""
+    raw_pred, _ = read_volume(pair.prediction)
+    raw_label, _ = read_volume(pair.label)
+    if raw_pred.shape != raw_label.shape:
+        raise VolumeError(
+            f"{pair.prediction}: shape {raw_pred.shape} differs from its label "
+            f"{pair.label} with shape {raw_label.shape}"
+        )
+    label = check_class_label(raw_label, pair.label, len(classes))
+    pred = check_class_label(raw_pred, pair.prediction, len(classes))
+    return {
+        "name": pair.name,
+        "prediction": str(pair.prediction),
+        "label": str(pair.label),
+        "shape": list(label.shape),
+        "classes": {
+            name: overlap_scores(pred == c, label == c)
+            for c, name in enumerate(classes[1:], start=1)
+        },
+    }
+
+
+def summarize_classes(rows: list[dict[str, Any]], classes: list[str]) -> dict[str, Any]:
+    """Per class: mean over volumes and global figures from summed counts; then their mean over
+    the foreground classes."""
+    scores = ("dice", "iou", "precision", "recall")
+    mean, glob = {}, {}
+    for name in classes[1:]:
+        per_volume = [r["classes"][name] for r in rows]
+        mean[name] = {k: float(np.mean([v[k] for v in per_volume])) for k in scores}
+        totals = {k: sum(v[k] for v in per_volume) for k in ("tp", "fp", "fn")}
+        glob[name] = {**scores_from_counts(**totals), **totals}
+    return {
+        "count": len(rows),
+        "classes": list(classes),
+        "mean_foreground": {
+            "global": {k: float(np.mean([glob[n][k] for n in glob])) for k in scores},
+            "mean": {k: float(np.mean([mean[n][k] for n in mean])) for k in scores},
+        },
+        "global": glob,
+        "mean": mean,
+        "volumes": rows,
+    }
+
+
+def classes_csv_text(rows: list[dict[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CLASS_CSV_COLUMNS)
+    for r in rows:
+        for name, v in r["classes"].items():
+            writer.writerow(
+                [r["name"], name, v["tp"], v["fp"], v["fn"]]
+                + [f"{v[k]:.6g}" for k in CLASS_CSV_COLUMNS[5:]]
+            )
+    return out.getvalue()
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -401,6 +479,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="HD95 and grain sizes in the label's NIfTI spacing, or in voxels",
     )
     grain = parser.add_argument_group("grains (object-level figures, see app.grains)")
+    parser.add_argument(
+        "--num-classes",
+        metavar="K",
+        type=int,
+        default=1,
+        help="1: binary masks; K >= 2: label maps 0..K-1 scored per class (no HD95 or grains)",
+    )
+    parser.add_argument(
+        "--class-names",
+        metavar="NAME",
+        nargs="*",
+        default=[],
+        help="the K class names, background first (default: class0 ... classK-1)",
+    )
     grain.add_argument(
         "--no-grains", action="store_true", help="voxel figures only (faster on big volumes)"
     )
@@ -438,6 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.out.suffix.lower() != ".json":
         raise EvaluateError(f"--out {args.out}: must end with .json (the CSV takes its stem)")
+    if args.num_classes >= 2 or args.class_names:
+        return run_classes(args)
     pairs = pair_files(args.pred, args.labels)
     grain_params, truth = None, None
     if not args.no_grains:
@@ -472,7 +566,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def class_names(args: argparse.Namespace) -> list[str]:
+    k, names = args.num_classes, list(args.class_names)
+    if k < 2 or (names and len(names) != k) or len(set(names)) != len(names):
+        raise EvaluateError(
+            f"--num-classes {k} --class-names {' '.join(names) or '(none)'}: label maps need "
+            "K >= 2 and, when named, K distinct names, background first"
+        )
+    return names or [f"class{c}" for c in range(k)]
+
+
+def run_classes(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`run` for label maps: per-class figures, no HD95 or grains."""
+    classes = class_names(args)
+    rows, problems = [], []
+    for pair in pair_files(args.pred, args.labels, classes):
+        try:
+            rows.append(evaluate_classes_pair(pair, classes))
+        except VolumeError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise EvaluateError("\n".join(problems))
+    summary = {
+        "pred": str(args.pred),
+        "labels": str(args.labels),
+        **summarize_classes(rows, classes),
+    }
+    try:
+        atomic_write_bytes(args.out.with_suffix(".csv"), classes_csv_text(rows).encode())
+        atomic_write_bytes(args.out, (json.dumps(summary, indent=2) + "\n").encode())
+    except OSError as exc:
+        raise EvaluateError(f"--out {args.out}: cannot write ({exc.strerror or exc})") from exc
+    return summary
+
+
 def report_line(summary: dict[str, Any]) -> str:
+    if "classes" in summary:
+        per_class = ", ".join(f"{name} {v['dice']:.4f}" for name, v in summary["global"].items())
+        return (
+            f"{summary['count']} volume(s): mean foreground global Dice "
+            f"{summary['mean_foreground']['global']['dice']:.4f}, IoU "
+            f"{summary['mean_foreground']['global']['iou']:.4f}; global Dice per class: "
+            f"{per_class}"
+        )
     mean, glob = summary["mean"], summary["global"]
     hd = "n/a" if mean["hd95"] is None else f"{mean['hd95']:.3g}"
     unit = summary["hd95_unit"]

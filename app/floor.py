@@ -312,3 +312,22 @@ def floors_from_volumes(train_volumes, val_volumes, bins: int = DEFAULT_BINS) ->
         [v.label for v in val_volumes],
         bins,
     )
+
+
+def class_floors_from_volumes(
+    train_volumes, val_volumes, classes: Sequence[str], bins: int = DEFAULT_BINS
+) -> dict[str, Floor]:
+    """For ``--num-classes K >= 2`` (``classes``: the names, background first): each foreground
+    class's own best band (``class c`` = ``lo < image < hi``), picked on train against every other
+    class and scored on val. A multi-threshold rule (K-1 cuts of the intensity axis, one interval
+    per class) gives each class one band, so per class it cannot beat this floor."""
+    floors = {}
+    for c, name in enumerate(classes[1:], start=1):
+        floors[name] = classical_floors(
+            [v.image for v in train_volumes],
+            [v.label == c for v in train_volumes],
+            [v.image for v in val_volumes],
+            [v.label == c for v in val_volumes],
+            bins,
+        ).band
+    return floors

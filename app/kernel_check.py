@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import Config
-from app.losses import BCEDiceLoss
+from app.losses import build_loss
 from app.model import build_model
 
 TOLERANCE = 0.05  # relative error of one kernel's result against float32 from the same inputs
@@ -99,7 +99,7 @@ def check_convolutions(cfg: Config, device: torch.device) -> KernelError:
     try:
         with torch.autocast(device.type, dtype=dtype):
             logits = model(images)
-        BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)(logits.float(), labels).backward()
+        build_loss(cfg)(logits.float(), labels).backward()
     finally:
         for hook in hooks:
             hook.remove()

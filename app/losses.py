@@ -42,3 +42,61 @@ class BCEDiceLoss(nn.Module):
             intersection = (probs * target).sum(1)
             dice = (2 * intersection + self.smooth) / (probs.sum(1) + target.sum(1) + self.smooth)
             return self.bce_weight * bce + self.dice_weight * (1 - dice.mean())
+
+
+class CEDiceLoss(nn.Module):
+    r"""The multi-class counterpart of :class:`BCEDiceLoss`:
+    ``ce_weight * CE + dice_weight * (1 - mean_c Dice_soft_c)`` over :math:`K \ge 2` classes.
+
+    With logits :math:`z`, softmax probabilities :math:`p_{i,c}` and a class map
+    :math:`g_i \in \{0, \dots, K-1\}` (one-hot :math:`y_{i,c}`) over the :math:`N` voxels of one
+    sample:
+
+    .. math::
+
+        \mathrm{CE} = -\frac{1}{N}\sum_i \log p_{i,g_i}
+
+        \mathrm{Dice_{soft,c}} = \frac{2\sum_i p_{i,c}\, y_{i,c} + s}
+        {\sum_i p_{i,c} + \sum_i y_{i,c} + s}, \qquad s = \text{smooth} = 1
+
+    CE is averaged over every voxel of the batch (``cross_entropy`` of the logits, numerically
+    stable); the Dice is computed per sample and per foreground class :math:`c = 1 \dots K-1`
+    and averaged over both, as nnU-Net leaves the background out of its Dice: background is most
+    of a CT volume and its near-perfect Dice would dilute the classes that matter. The softmax
+    is the fp32 one of ``app.precision``; both terms are computed in float32.
+    ``target`` is ``(B, 1, D, H, W)`` holding class indices (any dtype), as the patches carry it.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        ce_weight: float = 1.0,
+        dice_weight: float = 1.0,
+        smooth: float = 1.0,
+    ):
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"CEDiceLoss needs 2 or more classes, got {num_classes}")
+        self.num_classes = num_classes
+        self.ce_weight, self.dice_weight, self.smooth = ce_weight, dice_weight, smooth
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(logits.device.type, enabled=False):
+            logits = logits.float()
+            classes = target[:, 0].long()
+            ce = F.cross_entropy(logits, classes)
+            probs = precision.softmax(logits, dim=1)[:, 1:].flatten(2)  # (B, K-1, N)
+            onehot = F.one_hot(classes.flatten(1), self.num_classes)[..., 1:]
+            onehot = onehot.transpose(1, 2).float()
+            intersection = (probs * onehot).sum(2)
+            denominator = probs.sum(2) + onehot.sum(2) + self.smooth
+            dice = (2 * intersection + self.smooth) / denominator
+            return self.ce_weight * ce + self.dice_weight * (1 - dice.mean())
+
+
+def build_loss(cfg) -> nn.Module:
+    """BCE + Dice for the binary task (``--num-classes 1``), CE + Dice over K classes otherwise;
+    ``--bce-weight`` weighs the BCE or the CE term."""
+    if cfg.num_classes < 2:
+        return BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
+    return CEDiceLoss(cfg.num_classes, cfg.bce_weight, cfg.dice_weight)

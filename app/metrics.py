@@ -4,6 +4,10 @@ Dice = 2TP / (2TP + FP + FN), IoU = TP / (TP + FP + FN), of the thresholded pred
 (sigmoid > 0.5). A volume that is empty in both prediction and label scores 1 for both: there
 was nothing to find and nothing was found. The global figures sum the counts over the whole
 validation set first, so large volumes weigh more; the per-volume mean weighs volumes equally.
+
+With ``--num-classes K >= 2`` (:func:`class_counts`) a voxel's class is the argmax of its float32
+softmax, and each foreground class ``1..K-1`` gets its own TP/FP/FN (class c against the rest);
+the background is not scored, as its Dice is near 1 on any CT volume.
 """
 
 from __future__ import annotations
@@ -31,3 +35,24 @@ def dice_iou(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dice = torch.where(empty, 1.0, 2 * tp / (2 * tp + fp + fn).clamp_min(1))
     iou = torch.where(empty, 1.0, tp / union.clamp_min(1))
     return dice, iou
+
+
+def class_counts(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``(K-1, 3)`` ``[TP, FP, FN]`` of each foreground class ``1..K-1`` for K-channel
+    ``logits`` (a voxel's class is the argmax of its float32 softmax) and a class-map ``target``
+    of shape ``(B, 1, ...)``; float64, as :func:`confusion_counts`."""
+    pred = precision.softmax(logits, dim=1).argmax(1)
+    truth = target[:, 0].long()
+    rows = []
+    for c in range(1, logits.shape[1]):
+        p, t = pred == c, truth == c
+        rows.append(torch.stack([(p & t).sum(), (p & ~t).sum(), (~p & t).sum()]))
+    return torch.stack(rows).double()
+
+
+def counts_for(num_classes: int):
+    """The counting function of the task: ``(logits, target) -> (F, 3)`` counts, F = 1 for the
+    binary task, K-1 foreground classes otherwise."""
+    if num_classes < 2:
+        return lambda logits, target: confusion_counts(logits, target)[None]
+    return class_counts

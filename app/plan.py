@@ -339,12 +339,13 @@ def fit_patch(median: tuple[int, int, int], voxels: float) -> tuple[int, int, in
 
 
 # ----------------------------------------------------------------------------- fingerprints
-def data_fingerprint(root: Path | str) -> DataFingerprint:
-    """Read the training split (raw), and the validation split's shapes from the headers."""
+def data_fingerprint(root: Path | str, num_classes: int = 1) -> DataFingerprint:
+    """Read the training split (raw), and the validation split's shapes from the headers; with
+    ``num_classes`` >= 2 the figures are of the union of the foreground classes."""
     root = Path(root)
-    train = load_split(root, "train", "raw")
+    train = load_split(root, "train", "raw", num_classes=num_classes)
     images = [vol.image for vol in train]
-    labels = [vol.label for vol in train]
+    labels = [vol.label > 0 if num_classes >= 2 else vol.label for vol in train]
     headers = [volume_header(vol.image_path) for vol in train]
     spacings = [spacing for _, spacing in headers if spacing is not None]
     val_shapes = [volume_header(image)[0] for _, image, _ in pair_files(root / SPLITS["val"])]
@@ -426,7 +427,7 @@ def apply_plan(cfg: Config, given: set[str], plan: Plan) -> Config:
 
 
 def plan_for(cfg: Config, device: torch.device, processes: int) -> Plan:
-    data = data_fingerprint(cfg.data_root)
+    data = data_fingerprint(cfg.data_root, cfg.num_classes)
     return make_plan(data, device_fingerprint(device, processes), cfg.plan_budget_s)
 
 
@@ -440,14 +441,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=900.0, help="training seconds to fill")
     parser.add_argument("--nproc", type=int, default=1, help="training processes per node")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--num-classes",
+        type=int,
+        default=1,
+        help="labels are class maps 0..K-1 (K >= 2); the figures are of their union foreground",
+    )
     parser.add_argument("--out", type=Path, help="write the plan here (default: print it)")
     args = parser.parse_args(argv)
-    if args.budget_s <= 0 or args.nproc < 1:
-        print("error: --budget-s must be positive and --nproc at least 1", file=sys.stderr)
+    if args.budget_s <= 0 or args.nproc < 1 or args.num_classes < 1:
+        print(
+            "error: --budget-s must be positive, and --nproc and --num-classes at least 1",
+            file=sys.stderr,
+        )
         return 2
     try:
         device = resolve_device(args.device, 0)
-        data = data_fingerprint(args.data_root)
+        data = data_fingerprint(args.data_root, args.num_classes)
         hardware = device_fingerprint(device, args.nproc)
     except (ConfigError, DataError, VolumeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -461,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {hardware.step_s:.3f} s/step at {'x'.join(map(str, REFERENCE_PATCH))} "
         f"({hardware.name})\n"
         f"use: python -m app.train --config THIS_FILE --data-root {args.data_root}"
+        + (f" --num-classes {args.num_classes}" if args.num_classes >= 2 else "")
     )
     text = plan.to_yaml(header)
     if args.out:

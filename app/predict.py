@@ -17,6 +17,11 @@ Policies
 - Outputs, in ``--output``: ``NAME_probs.EXT`` (float32 probabilities) and/or ``NAME_mask.EXT``
   (uint8 0/1) in the input's format: NIfTI keeps the input's affine and header, TIFF gives TIFF,
   NPY gives NPY.
+- A checkpoint trained with ``--num-classes K >= 2``: ``NAME_mask.EXT`` is the label map (uint8
+  ``0..K-1``, each voxel the class of highest float32 softmax probability, as the trainer's
+  per-class Dice counts it) and the probabilities are one file per class,
+  ``NAME_probs_CLASS.EXT`` (float32, summing to 1 over the classes). The post-processing flags
+  below are for binary masks and are refused.
 - Post-processing of the mask, off by default (it did not measure better on the demo data, see
   the README): ``--min-object-size N`` removes connected objects under N voxels,
   ``--fill-holes`` fills cavities enclosed in 3D (:func:`app.grains.clean_mask`). The
@@ -134,8 +139,12 @@ class Predictor:
         )
 
     def probabilities(self, image: np.ndarray) -> np.ndarray:
-        """Float32 ``(D, H, W)`` probabilities of a normalised image (fp32 sigmoid)."""
-        return amp.sigmoid(self.logits(image))[0, 0].cpu().numpy()
+        """Float32 ``(D, H, W)`` probabilities of a normalised image (fp32 sigmoid); with
+        ``--num-classes K >= 2``, ``(K, D, H, W)`` (fp32 softmax over the classes)."""
+        logits = self.logits(image)
+        if self.cfg.num_classes >= 2:
+            return amp.softmax(logits, dim=1)[0].cpu().numpy()
+        return amp.sigmoid(logits)[0, 0].cpu().numpy()
 
     def describe(self) -> str:
         return (
@@ -248,7 +257,16 @@ def list_inputs(source: Path) -> list[Path]:
     raise PredictError(f"--input {source}: no such file or folder")
 
 
-def plan(inputs: list[Path], output: Path, save: str) -> list[Job]:
+def output_kinds(save: str, classes: list[str]) -> tuple[str, ...]:
+    """The outputs of ``--save``: with K >= 2 classes, one probability map per class."""
+    kinds = SAVE_KINDS[save]
+    if not classes:
+        return kinds
+    probs = tuple(f"probs_{name}" for name in classes) if "probs" in kinds else ()
+    return probs + tuple(k for k in kinds if k != "probs")
+
+
+def plan(inputs: list[Path], output: Path, save: str, classes: list[str] = ()) -> list[Job]:
     jobs, seen = [], {}
     for path in inputs:
         name, ext = split_ext(path)
@@ -258,7 +276,8 @@ def plan(inputs: list[Path], output: Path, save: str) -> list[Job]:
                 "their outputs and evaluation would be ambiguous"
             )
         seen[name] = path
-        jobs.append(Job(name, path, {k: output / f"{name}_{k}{ext}" for k in SAVE_KINDS[save]}))
+        kinds = output_kinds(save, list(classes))
+        jobs.append(Job(name, path, {k: output / f"{name}_{k}{ext}" for k in kinds}))
     return jobs
 
 
@@ -287,10 +306,20 @@ def check_output(output: Path, source: Path, jobs: list[Job], overwrite: bool) -
 
 
 def write_outputs(
-    job: Job, probs: np.ndarray, meta, overwrite: bool, min_object_size: int = 0, fill_holes=False
+    job: Job,
+    probs: np.ndarray,
+    meta,
+    overwrite: bool,
+    min_object_size: int = 0,
+    fill_holes=False,
+    classes: list[str] = (),
 ) -> None:
-    mask = clean_mask(probs > THRESHOLD, min_object_size, fill_holes)
-    arrays = {"probs": probs.astype(np.float32, copy=False), "mask": mask.astype(np.uint8)}
+    if classes:  # (K, D, H, W) softmax: the label map, and each class's probabilities
+        arrays = {"mask": probs.argmax(0).astype(np.uint8)}
+        arrays.update({f"probs_{name}": p for name, p in zip(classes, probs)})
+    else:
+        mask = clean_mask(probs > THRESHOLD, min_object_size, fill_holes)
+        arrays = {"probs": probs.astype(np.float32, copy=False), "mask": mask.astype(np.uint8)}
     for kind, path in job.outputs.items():
         if not overwrite and path.exists():  # appeared since the check: never replace it
             raise PredictError(f"{path}: appeared while predicting; not replaced (use --overwrite)")
@@ -322,6 +351,9 @@ Segment whole volumes with a trained checkpoint, exactly as the trainer validate
 its normalisation, Gaussian-blended sliding windows of its patch size, its mixed
 precision, probability > 0.5. Writes NAME_probs.EXT (float32) and/or NAME_mask.EXT
 (uint8 0/1) in the input's format; NIfTI keeps the input's affine and header.
+
+A --num-classes K >= 2 checkpoint writes NAME_mask.EXT as a label map (uint8 0..K-1,
+the class of highest softmax probability) and NAME_probs_CLASS.EXT per class.
 
 Checks the checkpoint, the inputs and the output folder before predicting; never
 replaces an existing output unless --overwrite. Under torchrun the volumes are
@@ -390,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--save",
         choices=list(SAVE_KINDS),
         default="both",
-        help="probabilities, binary mask (probability > 0.5) or both",
+        help="probabilities, binary mask (probability > 0.5) or both; for a --num-classes K "
+        "checkpoint: one probability map per class, the label map 0..K-1 (argmax) or both",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace outputs that already exist (atomically)"
@@ -448,9 +481,14 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
         raise PredictError(f"--min-object-size must be 0 or more, got {args.min_object_size}")
     state = load_checkpoint(args.checkpoint)
     trained = checkpoint_config(state, args.checkpoint)
+    if trained.classes and (args.min_object_size or args.fill_holes):
+        raise PredictError(
+            f"--min-object-size and --fill-holes clean binary masks; {args.checkpoint} "
+            f"predicts {trained.num_classes} classes (--num-classes {trained.num_classes})"
+        )
     if args.window is not None:
         check_window(args.window, trained.depth)
-    jobs = plan(list_inputs(args.input), args.output, args.save)
+    jobs = plan(list_inputs(args.input), args.output, args.save, trained.classes)
     check_output(args.output, args.input, jobs, args.overwrite)
 
     cfg = dataclasses.replace(trained, device=args.device, local_rank=args.local_rank)
@@ -508,6 +546,7 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
                 args.overwrite,
                 args.min_object_size,
                 args.fill_holes,
+                cfg.classes,
             )
             done.append(job.name)
             voxels += raw.size

@@ -16,6 +16,10 @@
   (histogram by number, cumulative by volume). ``psd.png`` and the grain montages also go to the
   run's TensorBoard, under ``report/``.
 
+For a ``--num-classes K >= 2`` run the montages colour each foreground class (its prediction
+filled, its ground truth outlined, in the same colour), the Dice is the mean over the foreground
+classes, and the grain pictures are left out (they are of binary masks).
+
 :func:`montage_figure` also draws the montage TensorBoard shows at each validation
 (``app.tracking``). Figures are drawn with matplotlib's Agg canvas (no display needed) and
 written atomically.
@@ -38,8 +42,8 @@ from app.atomic import atomic_write_bytes
 from app.checkpoint import CheckpointError
 from app.config import ConfigError
 from app.data import SPLITS, DataError, load_volume_pair, pair_files
-from app.metrics import confusion_counts, dice_iou
-from app.precision import sigmoid
+from app.metrics import counts_for, dice_iou
+from app.precision import sigmoid, softmax
 from app.predict import HelpFormatter, load_predictor
 from app.tracking import read_metrics
 from app.validation import pick_slices
@@ -47,6 +51,9 @@ from app.volume_io import VolumeError, read_volume, voxel_spacing
 
 GROUND_TRUTH_COLOUR = "#00d0ff"  # cyan and orange: apart for the common colour blindnesses
 PREDICTION_COLOUR = "#ff8c00"
+# --num-classes K >= 2: foreground class c in CLASS_COLOURS[c - 1] (Okabe-Ito, cycled)
+CLASS_COLOURS = ("#e69f00", "#56b4e9", "#009e73", "#f0e442", "#cc79a7", "#d55e00", "#0072b2")
+CLASS_ALPHA = 0.4
 GRAIN_ALPHA = 0.45
 PANEL_INCHES = 2.4
 DPI = 100
@@ -81,6 +88,19 @@ def grain_colours(instances: np.ndarray) -> np.ndarray:
     return palette[instances]
 
 
+def class_colour(c: int) -> str:
+    return CLASS_COLOURS[(c - 1) % len(CLASS_COLOURS)]
+
+
+def class_fill(classes: np.ndarray, k: int) -> np.ndarray:
+    """RGBA ``(..., 4)`` float image of a class map: class c in its colour, background clear."""
+    from matplotlib.colors import to_rgba
+
+    palette = np.array([(0.0, 0.0, 0.0, 0.0)] + [to_rgba(class_colour(c)) for c in range(1, k)])
+    palette[1:, 3] = CLASS_ALPHA
+    return palette[np.clip(classes, 0, k - 1)]
+
+
 def montage_figure(
     image: np.ndarray,
     label: np.ndarray,
@@ -89,6 +109,7 @@ def montage_figure(
     n_slices: int = 8,
     z_labels: list[int] | None = None,
     instances: np.ndarray | None = None,
+    classes: list[str] | None = None,
 ) -> np.ndarray:
     """RGB ``(H, W, 3)`` uint8 montage of up to ``n_slices`` z-slices of ``(D, H, W)`` arrays.
 
@@ -96,7 +117,9 @@ def montage_figure(
     ``z_labels`` names the slices of a stack that is itself a subset of a volume (the
     TensorBoard sample); otherwise a slice is named by its index. With ``instances`` (the
     prediction's grains) the grains are filled, one colour each, instead of the prediction's
-    outline.
+    outline. With ``classes`` (K >= 2 names, background first) ``label`` and ``prediction`` are
+    class maps: each foreground class has its own colour, its prediction filled and its ground
+    truth outlined in it.
     """
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -107,6 +130,7 @@ def montage_figure(
             f"montage_figure needs three (D, H, W) arrays of one shape, got "
             f"{image.shape}, {label.shape}, {prediction.shape}"
         )
+    class_label, class_prediction = label, prediction
     label, prediction = label > 0.5, prediction > 0.5
     picks = pick_slices(label, prediction, max(1, n_slices))
     names = z_labels if z_labels is not None else list(range(image.shape[0]))
@@ -136,7 +160,11 @@ def montage_figure(
             aspect="auto",
         )
         outlines = [(label[z], GROUND_TRUTH_COLOUR)]
-        if instances is None:
+        if classes:
+            fill = class_fill(class_prediction[z], len(classes))
+            ax.imshow(fill, interpolation="nearest", aspect="auto")
+            outlines = [(class_label[z] == c, class_colour(c)) for c in range(1, len(classes))]
+        elif instances is None:
             outlines.append((prediction[z], PREDICTION_COLOUR))
         else:
             ax.imshow(grain_colours(instances[z]), interpolation="nearest", aspect="auto")
@@ -151,10 +179,15 @@ def montage_figure(
         if instances is None
         else Line2D([], [], color="#b0b0b0", lw=6, alpha=0.8, label="predicted grains"),
     ]
+    if classes:
+        handles = [
+            Line2D([], [], color=class_colour(c), lw=2, label=f"{name}: truth (line)")
+            for c, name in enumerate(classes[1:], start=1)
+        ] + [Line2D([], [], color="#b0b0b0", lw=6, alpha=0.8, label="prediction (fill)")]
     fig.legend(
         handles=handles,
         loc="lower center",
-        ncol=2,
+        ncol=len(handles) if classes else 2,
         fontsize=8,
         frameon=False,
         bbox_to_anchor=(0.5, 0.02 / fig_h),
@@ -271,6 +304,9 @@ def write_montages(
     import torch
 
     predictor = load_predictor(checkpoint, _device(device))
+    classes = predictor.cfg.classes  # K >= 2: class colours, and no grain figures
+    grain_params = None if classes else grain_params
+    count = counts_for(predictor.cfg.num_classes)
     root = Path(data_root or run_config(run_dir).get("data_root") or predictor.cfg.data_root)
     if not root.is_dir():
         raise ReportError(f"{root}: data root of the run is missing; pass --data-root")
@@ -279,13 +315,18 @@ def write_montages(
     written, diameters, units = [], {"predicted": [], "true": []}, set()
     rng = np.random.default_rng(0)
     for name, image_path, label_path in pair_files(val)[:volumes]:
-        vol = load_volume_pair(name, image_path, label_path, predictor.normalization, rng)
+        vol = load_volume_pair(
+            name, image_path, label_path, predictor.normalization, rng, len(classes) or 1
+        )
         logits = predictor.logits(vol.image)
-        counts = confusion_counts(logits, torch.as_tensor(vol.label, device=logits.device))
-        dice = float(dice_iou(counts.cpu())[0])
-        prediction = (sigmoid(logits)[0, 0] > 0.5).cpu().numpy()  # as the metrics threshold
+        counts = count(logits, torch.as_tensor(vol.label, device=logits.device)[None, None])
+        dice = float(dice_iou(counts.cpu())[0].mean())  # K >= 2: mean over foreground classes
+        if classes:  # the class of highest probability, as the per-class counts
+            prediction = softmax(logits, dim=1)[0].argmax(0).cpu().numpy()
+        else:
+            prediction = (sigmoid(logits)[0, 0] > 0.5).cpu().numpy()  # as the metrics threshold
         title = f"{name}: Dice {dice:.3f} ({checkpoint.name}, {run_dir.name})"
-        rgb = montage_figure(vol.image, vol.label, prediction, title, n_slices)
+        rgb = montage_figure(vol.image, vol.label, prediction, title, n_slices, classes=classes)
         path = out_dir / f"montage_{name}.png"
         atomic_write_bytes(path, png_bytes(rgb))
         written.append((path, f"Dice {dice:.4f}"))

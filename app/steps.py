@@ -16,7 +16,7 @@ from app.config import Config
 from app.distributed import DistEnv, prepare, reduce_tensor, unwrap
 from app.ema import WeightAverage
 from app.epoch_position import EpochPosition
-from app.losses import BCEDiceLoss
+from app.losses import build_loss
 from app.model import build_model
 from app.precision import Precision, build_precision
 from app.preemption import NO_CONTROL, EpochControl, NullControl
@@ -82,7 +82,7 @@ def train_one_epoch(
     loader: Iterable,
     optimizer: torch.optim.Optimizer,
     precision: Precision,
-    loss_fn: BCEDiceLoss,
+    loss_fn: nn.Module,
     tracker: Tracker | NullTracker,
     env: DistEnv,
     epoch: int,
@@ -131,11 +131,14 @@ def train_one_epoch(
 def synthetic_batch(
     cfg: Config, device: torch.device, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random images (plus ``offset``) and a ~30% foreground mask of ``batch x 1 x patch``."""
+    """Random images (plus ``offset``) and a ~30% foreground mask of ``batch x 1 x patch``; with
+    ``--num-classes K >= 2`` that foreground spread over the classes ``1..K-1``."""
     generator = torch.Generator().manual_seed(cfg.seed)
     shape = (cfg.batch_size, 1, *cfg.patch_size)
     images = torch.randn(shape, generator=generator) + offset
     labels = (torch.rand(shape, generator=generator) < 0.3).float()
+    if cfg.num_classes >= 2:
+        labels *= torch.randint(1, cfg.num_classes, shape, generator=generator)
     return images.to(device), labels.to(device)
 
 
@@ -153,7 +156,7 @@ class SyntheticStepper:
         model = build_model(cfg, env.device)
         optimizer = build_optimizer(model, cfg, env, self.precision.backend)
         self.model, self.optimizer = prepare(model, optimizer, self.precision, env)
-        self.loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
+        self.loss_fn = build_loss(cfg)
         self.batch = synthetic_batch(cfg, env.device)
 
     def run(self, steps: int) -> EpochTotals:

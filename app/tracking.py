@@ -50,6 +50,7 @@ class Tracker:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.log_every = cfg.log_every
         self.log_images = cfg.log_images
+        self.classes = cfg.classes  # K >= 2: the montage colours each class
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._truncate_metrics(resumed_epoch)
         # purge_step drops events of an epoch that was interrupted before its checkpoint
@@ -96,12 +97,16 @@ class Tracker:
             f.flush()
             os.fsync(f.fileno())
         epoch = record["epoch"]
-        for key in SCALARS:
+        per_class = [k for k in record if "/" in k]  # K >= 2: "dice/NAME", one per class
+        for key in (*SCALARS, *per_class):
             if record.get(key) is not None:
                 self.writer.add_scalar(key, record[key], epoch)
         if sample is not None and self.log_images:
             self.writer.add_image(
-                f"val/{sample.name}", montage(sample, epoch), epoch, dataformats="HWC"
+                f"val/{sample.name}",
+                montage(sample, epoch, self.classes),
+                epoch,
+                dataformats="HWC",
             )
         self.writer.flush()
         log.info(
@@ -145,8 +150,9 @@ def make_tracker(cfg: Config, env: DistEnv, resumed_epoch: int) -> Tracker | Nul
     return Tracker(cfg, env, resumed_epoch) if env.is_primary else NullTracker()
 
 
-def montage(sample: SliceSample, epoch: int) -> np.ndarray:
-    """The sample's slices, ground truth and prediction outlined, as one RGB (H, W, 3) image."""
+def montage(sample: SliceSample, epoch: int, classes: list[str] | None = None) -> np.ndarray:
+    """The sample's slices, ground truth and prediction outlined (K >= 2 ``classes``: each class
+    in its colour), as one RGB (H, W, 3) image."""
     from app.report import montage_figure  # matplotlib, only when images are logged
 
     title = f"{sample.name}, epoch {epoch}, Dice {sample.dice:.3f}"
@@ -157,4 +163,5 @@ def montage(sample: SliceSample, epoch: int) -> np.ndarray:
         title,
         n_slices=len(sample.z),
         z_labels=sample.z,
+        classes=classes,
     )

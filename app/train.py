@@ -48,9 +48,9 @@ from app.distributed import (
 )
 from app.ema import WeightAverage, inference_weights
 from app.epoch_position import EpochPosition, ResumableSampler
-from app.floor import Floor, floors_from_volumes
+from app.floor import class_floors_from_volumes, floors_from_volumes
 from app.lazy_data import index_split, load_mapped_train_val
-from app.losses import BCEDiceLoss
+from app.losses import build_loss
 from app.model import build_model
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
 from app.precision import Precision, build_precision
@@ -96,6 +96,7 @@ def run_evaluation(model, val_volumes, loss_fn, precision, env: DistEnv, cfg: Co
         cfg.val_mode,
         cfg.sw_overlap,
         cfg.sw_batch_size,
+        cfg.classes,
     )
 
 
@@ -208,7 +209,8 @@ def restore(
         saved = state["config"]
         raise CheckpointError(
             f"{path}: its weights do not fit this model: it was trained with --f-maps "
-            f"{saved.get('f_maps')} --depth {saved.get('depth')}; resume with those, or use a "
+            f"{saved.get('f_maps')} --depth {saved.get('depth')} --num-classes "
+            f"{saved.get('num_classes', 1)}; resume with those, or use a "
             f"new --output-dir ({str(exc).splitlines()[0]})"
         ) from exc
     kernels = [group.get("fused") for group in optimizer.param_groups]
@@ -271,23 +273,7 @@ def weight_average(module: nn.Module, cfg: Config) -> WeightAverage | None:
 
 
 def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
-    dice_v, iou_v = result.per_volume
-    report = {
-        "epoch": epoch,
-        **result.summary(),
-        "volumes": [
-            {
-                "name": n,
-                "dice": float(d),
-                "iou": float(i),
-                "loss": float(row[3]),
-                "tp": int(row[0]),
-                "fp": int(row[1]),
-                "fn": int(row[2]),
-            }
-            for n, d, i, row in zip(result.names, dice_v, iou_v, result.table)
-        ],
-    }
+    report = {"epoch": epoch, **result.summary(), "volumes": result.volume_rows()}
     atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
 
 
@@ -301,13 +287,25 @@ def load_data(cfg: Config, resumed: dict[str, Any] | None) -> tuple[list, list, 
         run_on_primary((DataError, OSError), index_split, cfg.data_root, index_dir)
         return load_mapped_train_val(cfg.data_root, cfg.normalization, cfg.seed, index_dir, fitted)
     return load_train_val(
-        cfg.data_root, cfg.normalization, cfg.seed, fitted=fitted, with_train=not cfg.eval_only
+        cfg.data_root,
+        cfg.normalization,
+        cfg.seed,
+        fitted=fitted,
+        with_train=not cfg.eval_only,
+        num_classes=cfg.num_classes,
     )
 
 
-def classical_floor(train_volumes: list, val_volumes: list) -> Floor:
+def classical_floor(train_volumes: list, val_volumes: list, classes: list[str]) -> dict:
     """The best intensity band picked on the training set, scored on validation (global Dice),
-    on the images as the model sees them; logged beside the model's Dice as ``floor_dice``."""
+    on the images as the model sees them; logged beside the model's Dice as ``floor_dice``
+    (K >= 2: each class's band as ``floor_dice/NAME``, their mean as ``floor_dice``)."""
+    if classes:
+        bands = class_floors_from_volumes(train_volumes, val_volumes, classes)
+        for name, band in bands.items():
+            log.info("classical floor of class %s: %s", name, band.describe())
+        figures = {f"floor_dice/{name}": band.val_dice for name, band in bands.items()}
+        return {"floor_dice": sum(figures.values()) / len(figures), **figures}
     started = time.perf_counter()
     # volumes read by patches give a strided sample of their voxels
     floors = floors_from_volumes([v.sampled() for v in train_volumes], val_volumes)
@@ -322,7 +320,7 @@ def classical_floor(train_volumes: list, val_volumes: list) -> Floor:
         otsu.rule(),
         otsu.val_dice,
     )
-    return floors.band
+    return {"floor_dice": floors.band.val_dice}
 
 
 def planned(
@@ -457,7 +455,7 @@ def train(
     optimizer = build_optimizer(model, cfg, env, precision.backend)
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = prepare(model, optimizer, precision, env)
-    loss_fn = BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
+    loss_fn = build_loss(cfg)  # BCE + Dice, or CE + Dice for --num-classes K >= 2
     average = weight_average(unwrap(model), cfg)
     evaluated = average.model if average else unwrap(model)  # what best.pt is chosen by
 
@@ -495,7 +493,7 @@ def train(
             log.info("eval of epoch %d: %s", start_epoch, result.summary())
         return result.summary()
 
-    floor = classical_floor(train_volumes, val_volumes) if env.is_primary else None
+    floor = classical_floor(train_volumes, val_volumes, cfg.classes) if env.is_primary else None
     tracker = make_tracker(cfg, env, start_epoch)
     resolved = decision.to_dict() | ({"plan": plan.reasons} if plan else {})
     run_on_primary((OSError,), start_run_dir, settings, cfg, resolved)
@@ -572,7 +570,7 @@ def train(
             val_time = time.perf_counter() - val_started
             record.update(result.summary())
             if floor is not None:
-                record["floor_dice"] = floor.val_dice
+                record.update(floor)
             if cadence.auto:  # rank 0's times, so that every rank picks the same next epoch
                 cadence.measured(epoch, *broadcast_object((val_time, train_time)))
         voxels = totals.samples * math.prod(cfg.patch_size)

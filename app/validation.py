@@ -3,13 +3,14 @@
 Volumes are sharded round-robin without padding (unlike ``DistributedSampler``, which pads with
 duplicates). Each rank fills its volumes' rows of a ``(volumes, 4)`` table of TP/FP/FN/loss and
 one ``all_reduce(SUM)`` assembles the table on every rank: global figures come from summed
-counts, never from means of means.
+counts, never from means of means. With ``--num-classes K >= 2`` a row holds TP/FP/FN of each
+foreground class ``1..K-1``, then the loss: ``(volumes, 3(K-1) + 1)``, reduced the same way.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,39 +19,80 @@ from torch import nn
 from app.data import Volume
 from app.distributed import DistEnv, reduce_tensor
 from app.inference import predict_logits
-from app.losses import BCEDiceLoss
-from app.metrics import confusion_counts, dice_iou
+from app.metrics import counts_for, dice_iou
 from app.precision import Precision
 
 
 @dataclass
 class EvalResult:
     names: list[str]
-    table: torch.Tensor  # (volumes, 4): TP, FP, FN, loss; float64 on CPU
+    table: torch.Tensor  # (volumes, 3F + 1): TP, FP, FN of F classes, then loss; float64, CPU
+    classes: list[str] = field(default_factory=list)  # K >= 2: class names, background first
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """``(volumes, F, 3)`` TP/FP/FN; F = 1 (binary) or the K-1 foreground classes."""
+        return self.table[:, :-1].reshape(len(self.table), -1, 3)
 
     @property
     def loss(self) -> float:
-        return float(self.table[:, 3].mean())
+        return float(self.table[:, -1].mean())
 
     @property
     def global_dice_iou(self) -> tuple[float, float]:
-        dice, iou = dice_iou(self.table[:, :3].sum(0))
-        return float(dice), float(iou)
+        """Global Dice and IoU; for K >= 2 their mean over the foreground classes."""
+        dice, iou = dice_iou(self.counts.sum(0))
+        return float(dice.mean()), float(iou.mean())
 
     @property
     def per_volume(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return dice_iou(self.table[:, :3])
+        """Dice and IoU of each volume; for K >= 2 the mean over the foreground classes."""
+        dice, iou = dice_iou(self.counts)
+        return dice.mean(1), iou.mean(1)
 
     def summary(self) -> dict[str, float]:
         dice, iou = self.global_dice_iou
         dice_v, iou_v = self.per_volume
-        return {
+        figures = {
             "val_loss": self.loss,
             "dice": dice,
             "iou": iou,
             "dice_per_volume_mean": float(dice_v.mean()),
             "iou_per_volume_mean": float(iou_v.mean()),
         }
+        # K >= 2: one figure per foreground class, named "dice/NAME" (a TensorBoard group)
+        class_dice, class_iou = dice_iou(self.counts.sum(0))
+        volume_dice, volume_iou = dice_iou(self.counts)
+        for c, name in enumerate(self.classes[1:]):
+            figures[f"dice/{name}"] = float(class_dice[c])
+            figures[f"iou/{name}"] = float(class_iou[c])
+            figures[f"dice_per_volume_mean/{name}"] = float(volume_dice[:, c].mean())
+            figures[f"iou_per_volume_mean/{name}"] = float(volume_iou[:, c].mean())
+        return figures
+
+    def volume_rows(self) -> list[dict]:
+        """One record per volume for ``eval.json``: Dice, IoU, loss and counts (K >= 2: the
+        foreground mean, then each class's own under ``classes``)."""
+        dice_v, iou_v = self.per_volume
+        dice_c, iou_c = dice_iou(self.counts)
+        rows = []
+        for v, name in enumerate(self.names):
+            row = {"name": name, "dice": float(dice_v[v]), "iou": float(iou_v[v])}
+            row["loss"] = float(self.table[v, -1])
+            if not self.classes:
+                tp, fp, fn = (int(x) for x in self.counts[v, 0])
+                rows.append(row | {"tp": tp, "fp": fp, "fn": fn})
+                continue
+            row["classes"] = {
+                class_name: {
+                    "dice": float(dice_c[v, c]),
+                    "iou": float(iou_c[v, c]),
+                    **dict(zip(("tp", "fp", "fn"), (int(x) for x in self.counts[v, c]))),
+                }
+                for c, class_name in enumerate(self.classes[1:])
+            }
+            rows.append(row)
+        return rows
 
 
 @dataclass
@@ -90,18 +132,23 @@ def shard(items: list, env: DistEnv) -> list[int]:
 def evaluate(
     model: nn.Module,
     volumes: list[Volume],
-    loss_fn: BCEDiceLoss,
+    loss_fn: nn.Module,
     precision: Precision,
     env: DistEnv,
     window: tuple[int, int, int],
     mode: str,
     overlap: float,
     sw_batch_size: int,
+    classes: list[str] | None = None,
 ) -> tuple[EvalResult, SliceSample | None]:
     """Evaluate the unwrapped ``model`` (a DDP wrapper would broadcast buffers on every forward,
-    a collective that ranks with different shard sizes would not all reach)."""
+    a collective that ranks with different shard sizes would not all reach). ``classes``: the
+    K >= 2 class names, background first (none: the binary task)."""
+    classes = list(classes or [])
     blend, overlap = ("gaussian", overlap) if mode == "whole" else ("constant", 0.0)
-    table = torch.zeros(len(volumes), 4, dtype=torch.float64, device=env.device)
+    count = counts_for(len(classes))
+    scored = max(1, len(classes) - 1)  # classes with counts: the binary mask, or K-1
+    table = torch.zeros(len(volumes), 3 * scored + 1, dtype=torch.float64, device=env.device)
     sample = None
     was_training = model.training
     model.eval()
@@ -109,16 +156,18 @@ def evaluate(
         vol = volumes[index]
         logits = predict_logits(model, vol.image, window, precision, overlap, sw_batch_size, blend)
         label = torch.as_tensor(vol.label, device=env.device)[None, None]
-        table[index, :3] = confusion_counts(logits, label)
-        table[index, 3] = loss_fn(logits, label).double()
+        table[index, :-1] = count(logits, label).flatten()
+        table[index, -1] = loss_fn(logits, label).double()
         if sample is None:
-            pred = (logits[0, 0] > 0).cpu().numpy()  # sigmoid > 0.5 <=> logit > 0
+            # binary: sigmoid > 0.5 <=> logit > 0; K >= 2: the argmax class (the montage colours
+            # each class)
+            pred = (logits[0].argmax(0) if classes else logits[0, 0] > 0).cpu().numpy()
             z = pick_slices(vol.label, pred, MONTAGE_SLICES)
-            dice = float(dice_iou(table[index, :3])[0])
+            dice = float(dice_iou(table[index, :-1].reshape(-1, 3))[0].mean())
             sample = SliceSample(vol.name, z, vol.image[z], vol.label[z], pred[z], dice)
     model.train(was_training)
     reduce_tensor(table)
-    return EvalResult([v.name for v in volumes], table.cpu()), sample
+    return EvalResult([v.name for v in volumes], table.cpu(), classes), sample
 
 
 class ValidationCadence:

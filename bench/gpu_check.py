@@ -16,6 +16,9 @@ native-*            O0, O1-fp16, O1-bf16 and O3 steps (bench/train_step.py): fin
                     samples/s, voxels/s, peak memory; o1-speedup: the O1 / O0 rate ratios
 scaler-checkpoint   fp16 GradScaler: a forced overflow halves the scale; scale and growth tracker
                     survive a checkpoint loaded with weights_only=True into a fresh precision
+multiclass-fp16     --num-classes 3 under fp16 autocast (GradScaler on CUDA): 3 steps of CE +
+                    Dice with a finite loss; the softmax and the loss float32, the per-class
+                    counts under autocast equal to those outside it from the same logits
 channels-last-3d    a channels_last_3d forward matches the contiguous one (fp32, and autocast)
 memory-format-speed O1 step rate, channels_last vs contiguous (reported, not judged)
 auto-decision       what --opt-level/--amp-dtype/--memory-format auto pick on this device, with
@@ -92,9 +95,10 @@ from app.data import Normalization  # noqa: E402
 from app.distributed import DistEnv, distributed_session, prepare, unwrap  # noqa: E402
 from app.hardware import detect  # noqa: E402
 from app.kernel_check import check_convolutions  # noqa: E402
-from app.losses import BCEDiceLoss  # noqa: E402
+from app.losses import BCEDiceLoss, build_loss  # noqa: E402
+from app.metrics import class_counts  # noqa: E402
 from app.model import UNet3d, use_channels_last  # noqa: E402
-from app.precision import ApexPrecision, build_precision  # noqa: E402
+from app.precision import ApexPrecision, build_precision, softmax  # noqa: E402
 from app.steps import synthetic_batch, train_one_epoch  # noqa: E402
 from app.tracking import NullTracker, read_metrics  # noqa: E402
 from app.train import build_scheduler, checkpoint_state  # noqa: E402
@@ -424,6 +428,37 @@ def check_scaler_checkpoint(ctx: Context) -> None:
         f"(scale {fresh['scale']}, tracker {fresh['_growth_tracker']}) .load_state_dict: scale "
         f"{restored['scale']}, tracker {restored['_growth_tracker']}; next step: scale "
         f"{after['scale']}, tracker {after['_growth_tracker']}, loss {next_loss:.4f}",
+    )
+
+
+def check_multiclass(ctx: Context) -> None:
+    cfg = small_config(ctx.sizes, ctx.device, amp_dtype="float16", num_classes=3)
+    env = DistEnv(0, 0, 1, ctx.device)
+    model, optimizer, precision = train_step.build_level(cfg, env)
+    batch = synthetic_batch(cfg, ctx.device)
+    loss_fn = build_loss(cfg)
+    loss = steps_of(model, optimizer, precision, batch, 3, env, loss_fn)
+    images, labels = batch
+    with torch.no_grad(), precision.autocast():
+        logits = model(images)
+        probs = softmax(logits, dim=1)
+        value = loss_fn(logits, labels)
+        counts = class_counts(logits, labels)
+    reference = class_counts(logits.float(), labels)  # outside autocast, from the same logits
+    ok = (
+        probs.dtype == torch.float32
+        and value.dtype == torch.float32
+        and torch.equal(counts, reference)
+        and math.isfinite(loss)
+    )
+    ctx.report.verdict(
+        ok,
+        "multiclass-fp16",
+        f"{precision.describe()} on {ctx.device.type}, K = 3: 3 steps, loss {loss:.4f}; under "
+        f"autocast the logits are {str(logits.dtype).removeprefix('torch.')}, the softmax "
+        f"{str(probs.dtype).removeprefix('torch.')}, the loss "
+        f"{str(value.dtype).removeprefix('torch.')}; per-class counts "
+        f"{'equal' if torch.equal(counts, reference) else 'differ from'} those outside autocast",
     )
 
 
@@ -909,6 +944,7 @@ CHECKS: list[tuple[str, Callable[[Context], None]]] = [
     ("versions", check_versions),
     ("native", check_native_steps),
     ("scaler-checkpoint", check_scaler_checkpoint),
+    ("multiclass-fp16", check_multiclass),
     ("channels-last-3d", check_channels_last),
     ("kernels", check_kernels),
     ("auto-decision", check_auto_decision),

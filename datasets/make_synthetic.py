@@ -20,6 +20,11 @@ Arrays are (D, H, W) = (z, y, x) in every format; images are float32 (about -0.1
 clipped), labels uint8 in {0, 1}, instances uint16 (0 = matrix, 1..N = grains; uint32 past
 65535 grains). The trainer reads images/ and labels/ only. See datasets/README.md for how the
 volumes are built.
+
+``--phases N`` (2..5) writes the same images and instance maps with class-map labels
+``0..N-1`` instead: 0 is the matrix (gangue) and each grain carries the mineral phase of its
+kind (``PHASES``), for ``app.train --num-classes N``. It prints the best multi-threshold floor
+(N-1 global cuts of the intensity axis, one interval per class) of the val split.
 """
 
 from __future__ import annotations
@@ -72,6 +77,25 @@ SPECKLE_DENSITY = 2.5e-3  # bright unlabelled inclusions per matrix voxel
 SPECKLE_PEAK = (0.35, 0.7)  # added peak intensity after the partial-volume blur
 PARTIAL_VOLUME_SIGMA = 0.75  # voxels
 NOISE_SIGMA = 0.045
+
+
+# --phases N: the class of each grain kind (0 = matrix), and the class names, matrix first.
+# The kinds' intensity ranges overlap once shading, gain and noise are applied (and banded and
+# rimmed grains overlap the matrix), so no set of global thresholds separates the phases.
+PHASES = {
+    2: (("matrix", "grain"), {"bright": 1, "medium": 1, "banded": 1, "rimmed": 1}),
+    3: (("matrix", "oxide", "goethite"), {"bright": 1, "medium": 1, "banded": 2, "rimmed": 2}),
+    4: (
+        ("matrix", "hematite", "magnetite", "goethite"),
+        {"bright": 1, "medium": 2, "banded": 3, "rimmed": 3},
+    ),
+    5: (
+        ("matrix", "hematite", "magnetite", "goethite", "altered"),
+        {"bright": 1, "medium": 2, "banded": 3, "rimmed": 4},
+    ),
+}
+# intensity cuts searched by the multi-threshold floor: fewer as the cut tuples multiply
+FLOOR_BINS = {2: 256, 3: 128, 4: 48, 5: 24}
 
 
 class SyntheticVolume(NamedTuple):
@@ -248,10 +272,15 @@ def instance_map(owner: np.ndarray) -> np.ndarray:
 
 
 def make_grain_volume(
-    shape: Sequence[int] = DEFAULT_SHAPE, rng: np.random.Generator | None = None
+    shape: Sequence[int] = DEFAULT_SHAPE,
+    rng: np.random.Generator | None = None,
+    phases: int | None = None,
 ) -> SyntheticVolume:
     """:func:`make_volume` with the instance map of the grains it drew (no extra random draws,
-    so the image and label are those of ``make_volume`` with the same generator state)."""
+    so the image and label are those of ``make_volume`` with the same generator state).
+    ``phases``: the label is the class map of ``PHASES[phases]`` instead (same image)."""
+    if phases is not None and phases not in PHASES:
+        raise ValueError(f"phases must be one of {sorted(PHASES)}, got {phases}")
     shape = tuple(int(s) for s in shape)
     if len(shape) != 3 or min(shape) < 1:
         raise ValueError(f"shape must be three positive ints (D, H, W), got {shape}")
@@ -342,6 +371,10 @@ def make_grain_volume(
     cup = 1.0 - 0.18 * (1.0 - (yy[:, None] ** 2 + xx[None, :] ** 2) / 2)
     img = img * gain * cup[None] + offset
     img += NOISE_SIGMA * rng.standard_normal(shape, dtype=f32)
+    if phases is not None:  # from the kinds already drawn: the image does not change
+        phase_of_kind = PHASES[phases][1]
+        grain_phase = np.array([phase_of_kind[kinds[k]] for k in kind] + [0], dtype=np.uint8)
+        label = grain_phase[oid] * label
     return SyntheticVolume(img.astype(f32), label.astype(np.uint8), instances)
 
 
@@ -403,6 +436,66 @@ def best_threshold_dice(
     return res.threshold, res.dice
 
 
+class MultiThresholdResult(NamedTuple):
+    cuts: tuple[float, ...]  # N-1 increasing intensities
+    order: tuple[int, ...]  # the class of each of the N intervals, darkest first
+    dice: tuple[float, ...]  # Dice of each foreground class 1..N-1
+    mean_dice: float  # their mean, which the search maximises
+
+
+def multi_threshold_search(
+    images: Sequence[np.ndarray], labels: Sequence[np.ndarray], classes: int
+) -> MultiThresholdResult:
+    """The best multi-threshold rule for class maps ``0..classes-1``: ``classes - 1`` global cuts
+    (among ``FLOOR_BINS[classes]`` intensity quantiles) split the intensity axis into intervals,
+    each interval is given one class (every assignment is tried), and the rule with the highest
+    mean Dice over the foreground classes, pooled over all voxels, wins."""
+    import itertools
+
+    images = [np.asarray(a, dtype=np.float32).ravel() for a in images]
+    labels = [np.asarray(b).ravel() for b in labels]
+    bins = FLOOR_BINS.get(classes, 24)
+    rng = np.random.default_rng(0)
+    sample = np.concatenate(
+        [a if a.size <= 500_000 else rng.choice(a, 500_000, replace=False) for a in images]
+    )
+    thr = np.unique(np.quantile(sample, np.arange(1, bins) / bins))
+    nb = thr.size + 1
+    hist = np.zeros((classes, nb), dtype=np.int64)  # voxels of each class in each bin
+    for a, b in zip(images, labels, strict=True):
+        slot = np.searchsorted(thr, a, side="left")
+        hist += np.bincount(b.astype(np.int64) * nb + slot, minlength=classes * nb).reshape(
+            classes, nb
+        )
+    cum = np.concatenate([np.zeros((classes, 1), np.int64), np.cumsum(hist, 1)], 1)
+    cuts = np.array(list(itertools.combinations(range(1, nb), classes - 1)), dtype=np.int64)
+    edges = np.concatenate(
+        [np.zeros((len(cuts), 1), np.int64), cuts, np.full((len(cuts), 1), nb)], 1
+    )
+    # (rules, intervals, classes): voxels of each class in each interval of each rule
+    counts = (cum[:, edges[:, 1:]] - cum[:, edges[:, :-1]]).transpose(1, 2, 0)
+    predicted = counts.sum(2)  # (rules, intervals)
+    truth = hist.sum(1)  # (classes,)
+    best = (-1.0, None, None, None)
+    for order in itertools.permutations(range(classes)):
+        interval_of = np.argsort(order)  # the interval each class is given
+        dice = []
+        for c in range(1, classes):
+            k = interval_of[c]
+            tp, pred = counts[:, k, c], predicted[:, k]
+            denom = pred + truth[c]
+            dice.append(np.where(denom > 0, 2 * tp / np.maximum(denom, 1), 1.0))
+        dice = np.stack(dice, 1)
+        mean = dice.mean(1)
+        i = int(np.argmax(mean))
+        if mean[i] > best[0]:
+            best = (float(mean[i]), order, i, dice[i])
+    mean, order, i, dice = best
+    return MultiThresholdResult(
+        tuple(float(thr[c - 1]) for c in cuts[i]), tuple(order), tuple(map(float, dice)), mean
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
@@ -454,9 +547,13 @@ def generate(
     fmt: str = "nii.gz",
     overwrite: bool = False,
     log=print,
-) -> ThresholdResult:
-    """Write both splits under ``out``; returns the val split's global-threshold baseline."""
+    phases: int | None = None,
+) -> ThresholdResult | MultiThresholdResult:
+    """Write both splits under ``out``; returns the val split's global-threshold baseline (with
+    ``phases``: the class-map labels and the val split's multi-threshold floor)."""
     out = Path(out)
+    if phases is not None and phases not in PHASES:
+        raise ValueError(f"phases must be one of {sorted(PHASES)}, got {phases}")
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if n_train < 1 or n_val < 1:
@@ -497,11 +594,13 @@ def generate(
         fg = 0.0
         images, labels = [], []
         for i in range(counts[split]):
-            image, label, instances = make_grain_volume(shape, _volume_rng(seed, split_id, i))
+            image, label, instances = make_grain_volume(
+                shape, _volume_rng(seed, split_id, i), phases
+            )
             name = f"grain_{i:03d}.{fmt}"
             for kind, array in zip(KINDS, (image, label, instances), strict=True):
                 write_array(array, out / split / kind / name, fmt)
-            fg += float(label.mean())
+            fg += float(np.count_nonzero(label)) / label.size
             if split == "val_patches":
                 images.append(image)
                 labels.append(label)
@@ -511,7 +610,22 @@ def generate(
             f"{split}: {n} image/label pairs, shape {'x'.join(map(str, shape))}, {fmt}, "
             f"grain fraction {100 * fg / n:.1f}%, {dt:.1f} s -> {out / split}"
         )
-        if split == "val_patches":
+        if split == "val_patches" and phases is not None:
+            result = multi_threshold_search(images, labels, phases)
+            names = PHASES[phases][0]
+            parts = [names[result.order[0]]]
+            for cut, c in zip(result.cuts, result.order[1:], strict=True):
+                parts += [f"{cut:.3f}", names[c]]
+            rule = " < ".join(parts)
+            per_class = ", ".join(
+                f"{name} {d:.3f}" for name, d in zip(names[1:], result.dice, strict=True)
+            )
+            log(
+                f"best multi-threshold floor on val: mean foreground Dice "
+                f"{result.mean_dice:.3f} ({per_class}); rule: {rule} "
+                f"(classes for app.train: --num-classes {phases} --class-names {' '.join(names)})"
+            )
+        elif split == "val_patches":
             result = threshold_search(images, labels)
             per_vol = [threshold_search(a, b).dice for a, b in zip(images, labels, strict=True)]
             log(
@@ -550,6 +664,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="delete earlier grain_* files in OUT that this run would not rewrite",
     )
     p.add_argument(
+        "--phases",
+        type=int,
+        choices=sorted(PHASES),
+        help="label each grain with its mineral phase: class maps 0..N-1 (0 = matrix) for "
+        "app.train --num-classes N; default: binary grain masks",
+    )
+    p.add_argument(
         "--report-threshold",
         action="store_true",
         help="accepted for compatibility; the val threshold baseline is always reported",
@@ -577,6 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.seed,
             args.format,
             overwrite=args.overwrite,
+            phases=args.phases,
         )
     except (FileExistsError, OSError) as exc:
         print(f"make_synthetic.py: error: {exc}", file=sys.stderr)

@@ -166,6 +166,14 @@ def test_gpu_check_cpu_mode_passes_or_skips_each_check():
     assert re.search(summary, done.stdout, re.M)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU mode of a CPU-only host")
+def test_gpu_check_multiclass_keeps_softmax_and_loss_float32_under_fp16():
+    done = run_gpu_check("--allow-cpu", "--only", "multiclass")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if "multiclass-fp16" in line)
+    assert line.startswith("PASS") and "the softmax float32, the loss float32" in line
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 def test_gpu_check_fails_without_cuda_unless_cpu_is_allowed(capsys):
     assert gpu_check.main([]) == 1

@@ -60,6 +60,7 @@ def test_missing_yaml_file_is_named(tmp_path):
         (["--patch-size", "4", "32", "32", "--depth", "4"], "--patch-size"),
         (["--ema-decay", "1.0"], "--ema-decay"),
         (["--augment-level", "rot90", "--patch-size", "16", "32", "48"], "--patch-size"),
+        (["--num-classes", "3", "--data-access", "mmap"], "--data-access"),
     ],
 )
 def test_invalid_values_name_the_flag(argv, flag):

@@ -210,3 +210,53 @@ def test_script_does_not_import_a_datasets_package():
     text = SCRIPT.read_text()
     assert "from datasets" not in text and "import datasets" not in text
     assert not (SCRIPT.parent / "__init__.py").exists()
+
+
+@pytest.mark.parametrize("phases", [3, 4])
+def test_phases_label_each_grain_with_its_phase_and_keep_the_image(phases):
+    plain = ms.make_grain_volume(SHAPE, np.random.default_rng(5))
+    phased = ms.make_grain_volume(SHAPE, np.random.default_rng(5), phases)
+    assert np.array_equal(plain.image, phased.image)  # only the labels change
+    assert np.array_equal(plain.instances, phased.instances)
+    assert np.array_equal(phased.label > 0, plain.label > 0)
+    assert set(np.unique(phased.label)) == set(range(phases))
+    for grain in np.unique(plain.instances)[1:]:  # one phase per grain
+        assert np.unique(phased.label[plain.instances == grain]).size == 1
+
+
+def test_multi_threshold_search_is_exact_on_separable_classes():
+    label = np.repeat(np.array([0, 2, 1], np.uint8), 1000)
+    image = np.repeat(np.array([0.0, 1.0, 2.0], np.float32), 1000)
+    image += np.random.default_rng(0).uniform(-0.2, 0.2, image.size).astype(np.float32)
+    result = ms.multi_threshold_search([image], [label], 3)
+    # the cuts lie on a grid of intensity quantiles: a few voxels at each edge may fall wrong
+    assert result.mean_dice > 0.98 and min(result.dice) > 0.98
+    assert result.order == (0, 2, 1) and 0.1 < result.cuts[0] < 0.9 < 1.1 < result.cuts[1] < 1.9
+
+
+def test_cli_phases_prints_the_multi_threshold_floor(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--out",
+            str(tmp_path / "p"),
+            "--n-train",
+            "1",
+            "--n-val",
+            "1",
+            "--shape",
+            "16",
+            "32",
+            "32",
+            "--phases",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "best multi-threshold floor on val: mean foreground Dice" in out
+    assert "--num-classes 3 --class-names matrix oxide goethite" in out
+    label = _read(tmp_path / "p/val_patches/labels/grain_000.nii.gz")
+    assert label.dtype == np.uint8 and label.max() <= 2
