@@ -421,7 +421,7 @@ MASK_SUFFIXES = ("_mask", "_probs")
 
 def list_masks(source: Path) -> list[tuple[str, Path]]:
     """(name, file) of each mask: NAME_mask.EXT, NAME_probs.EXT (when no mask) or NAME.EXT."""
-    if source.is_file():
+    if source.is_file() or is_volume_file(source):  # a file, or one .zarr folder
         files = [source]
     elif source.is_dir():
         files = sorted(p for p in source.iterdir() if is_volume_file(p))

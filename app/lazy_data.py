@@ -3,8 +3,10 @@
 A volume is a :class:`MappedArray`: the file, the dtype, the shape and the byte offset of its
 voxels (a C-order ``.npy``, or an uncompressed contiguous TIFF). Each read maps the file, copies
 the patch and unmaps it, so a process holds only the patches in flight (a mapping kept open
-would count every page ever read as resident). Compressed NIfTI and compressed or tiled TIFF
-cannot be mapped: ``python -m app.convert`` turns them into ``.npy`` once.
+would count every page ever read as resident). A zarr or OME-Zarr volume (:class:`ZarrRegion`)
+needs no mapping: zarr reads and decompresses only the chunks a patch touches. Compressed NIfTI
+and compressed or tiled TIFF cannot be read by regions: ``python -m app.convert`` turns them
+into ``.npy`` once.
 
 Per volume, one streaming pass (slab by slab, bounded memory) finds what the in-memory path
 learns from the whole array: the exact mean and std, percentiles from a strided sample, NaN/Inf,
@@ -35,25 +37,39 @@ from app.data import (
     load_split,
     pair_files,
 )
-from app.volume_io import VolumeError, split_ext
+from app.volume_io import VolumeError, split_ext, zarr_array
 
 BLOCK = (8, 16, 16)  # voxels per cell of the coarse foreground index
 SLAB_BYTES = 64 << 20  # a streaming pass reads this much at a time
 SAMPLE_VOXELS = 1_000_000  # strided sample for the percentiles
 
 
+class _Regions:
+    """What the index pass and the patches need of a 3D array on disk besides its reads."""
+
+    dtype: str
+    shape: tuple[int, int, int]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def slabs(self):
+        """(start, stop) along the first axis, about :data:`SLAB_BYTES` each."""
+        plane = max(1, self.size // self.shape[0] * np.dtype(self.dtype).itemsize)
+        step = max(1, SLAB_BYTES // plane)
+        for start in range(0, self.shape[0], step):
+            yield start, min(start + step, self.shape[0])
+
+
 @dataclass(frozen=True)
-class MappedArray:
-    """A 3D array on disk, read a region at a time; picklable for DataLoader workers."""
+class MappedArray(_Regions):
+    """A 3D array in a file, read a region at a time; picklable for DataLoader workers."""
 
     path: str
     dtype: str
     shape: tuple[int, int, int]
     offset: int
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
 
     def __getitem__(self, window: tuple[slice, ...]) -> np.ndarray:
         try:
@@ -65,18 +81,33 @@ class MappedArray:
         finally:
             del mapped  # unmapped: the pages read leave this process's resident set
 
-    def slabs(self):
-        """(start, stop) along the first axis, about :data:`SLAB_BYTES` each."""
-        plane = max(1, self.size // self.shape[0] * np.dtype(self.dtype).itemsize)
-        step = max(1, SLAB_BYTES // plane)
-        for start in range(0, self.shape[0], step):
-            yield start, min(start + step, self.shape[0])
+
+@dataclass(frozen=True)
+class ZarrRegion(_Regions):
+    """A zarr array (or an OME-Zarr image's full resolution) read a region at a time; opened
+    per read, so it pickles as a path for DataLoader workers."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, int, int]
+
+    def __getitem__(self, window: tuple[slice, ...]) -> np.ndarray:
+        try:
+            return np.asarray(zarr_array(self.path)[window])
+        except OSError as exc:  # the data root went away or lost its permissions mid-run
+            raise DataError(f"{self.path}: cannot read: {os_cause(exc)}") from exc
 
 
-def open_mapped(path: Path) -> MappedArray:
-    """The voxels of ``path`` as a :class:`MappedArray`; a clear error for what cannot be."""
+Regions = MappedArray | ZarrRegion
+
+
+def open_mapped(path: Path) -> Regions:
+    """The voxels of ``path`` as a :class:`MappedArray` (or a :class:`ZarrRegion`); a clear
+    error for what cannot be read by regions."""
     ext = split_ext(path)[1]
     convert = "convert it once with python -m app.convert (see README)"
+    if ext == ".zarr":
+        return open_zarr(path)
     try:
         if ext == ".npy":
             header = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -131,12 +162,31 @@ class VolumeIndex:
         return asdict(self)
 
 
+def open_zarr(path: Path) -> ZarrRegion:
+    try:
+        array = zarr_array(path)
+    except VolumeError:
+        raise
+    except Exception as exc:  # zarr's own errors for a folder that is not a zarr store
+        raise VolumeError(f"{path}: cannot read .zarr, not a zarr array? ({exc})") from exc
+    dtype = np.dtype(array.dtype)
+    if array.ndim != 3 or dtype.kind not in "biuf":
+        raise VolumeError(f"{path}: expected a 3D numeric array, got {dtype} {array.shape}")
+    return ZarrRegion(str(path), dtype.str, tuple(int(s) for s in array.shape))
+
+
 def file_key(path: str) -> list:
+    """What tells an index that its volume changed: size and modification time (of every file
+    of a zarr folder)."""
+    if Path(path).is_dir():
+        files = [p.stat() for p in Path(path).rglob("*") if p.is_file()]
+        size = sum(f.st_size for f in files)
+        return [path, size, max((f.st_mtime_ns for f in files), default=0)]
     stat = Path(path).stat()
     return [path, stat.st_size, stat.st_mtime_ns]
 
 
-def index_volume(image: MappedArray, label: MappedArray, folder: Path, name: str) -> VolumeIndex:
+def index_volume(image: Regions, label: Regions, folder: Path, name: str) -> VolumeIndex:
     """Stream ``image`` and ``label`` once; raise VolumeError naming the file for NaN/Inf or a
     label that is not binary. The foreground counts go to ``folder/NAME.counts.npy``."""
     if image.shape != label.shape:
@@ -243,8 +293,8 @@ class LazyVolume:
     that :class:`app.data.PatchDataset` uses."""
 
     name: str
-    image: MappedArray
-    label: MappedArray
+    image: Regions
+    label: Regions
     image_path: Path
     scale: PatchScale
     index: VolumeIndex
@@ -294,7 +344,7 @@ class LazyVolume:
         return Volume(self.name, image, label, self.image_path, foreground)
 
 
-def raw_sample(image: MappedArray, stride: int) -> np.ndarray:
+def raw_sample(image: Regions, stride: int) -> np.ndarray:
     """Every ``stride``-th voxel of ``image`` on each axis, read a plane at a time."""
     every = (slice(None, None, stride), slice(None, None, stride))
     return np.concatenate(

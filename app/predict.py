@@ -241,6 +241,8 @@ class Job:
 
 
 def list_inputs(source: Path) -> list[Path]:
+    if is_volume_file(source):  # a file, or one .zarr folder
+        return [source]
     if source.is_dir():
         files = sorted(p for p in source.iterdir() if is_volume_file(p))
         if not files:

@@ -1,4 +1,5 @@
-"""Reading and writing 3D volumes: NIfTI (nibabel), TIFF stacks (tifffile) and ``.npy``.
+"""Reading and writing 3D volumes: NIfTI (nibabel), TIFF stacks (tifffile), ``.npy`` and zarr
+(a ``NAME.zarr`` folder: a zarr array, or an OME-Zarr image whose full-resolution level is read).
 
 Arrays are used in the axis order they are stored in and called (D, H, W). A volume read here
 can be written back in its own format with its own NIfTI affine and header.
@@ -6,6 +7,8 @@ can be written back in its own format with its own NIfTI affine and header.
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,8 @@ import numpy as np
 
 from app.atomic import atomic_path
 
-EXTENSIONS = (".nii.gz", ".nii", ".tif", ".tiff", ".npy")
+EXTENSIONS = (".nii.gz", ".nii", ".tif", ".tiff", ".npy", ".zarr")
+ZARR_CHUNKS = (64, 64, 64)  # written zarr: cubes, so a training patch reads a few chunks
 
 
 class VolumeError(ValueError):
@@ -32,7 +36,24 @@ def split_ext(path: Path | str) -> tuple[str, str]:
 
 
 def is_volume_file(path: Path) -> bool:
-    return path.is_file() and split_ext(path)[1] in EXTENSIONS and not path.name.startswith(".")
+    """A volume: a file with a volume extension, or a ``.zarr`` folder; hidden names are not."""
+    ext = split_ext(path)[1]
+    stored = path.is_dir() if ext == ".zarr" else path.is_file()
+    return stored and ext in EXTENSIONS and not path.name.startswith(".")
+
+
+def zarr_array(path: Path | str):
+    """The 3D zarr array of a ``.zarr`` folder: the array itself, or the first (full-resolution)
+    dataset of an OME-Zarr image's ``multiscales``."""
+    import zarr
+
+    node = zarr.open(str(path), mode="r")
+    if isinstance(node, zarr.Array):
+        return node
+    multiscales = node.attrs.get("multiscales") or node.attrs.get("ome", {}).get("multiscales")
+    if not multiscales:
+        raise VolumeError(f"{path}: a zarr group without OME-Zarr multiscales; give the array")
+    return node[multiscales[0]["datasets"][0]["path"]]
 
 
 @dataclass
@@ -62,9 +83,14 @@ def read_volume(path: Path | str) -> tuple[np.ndarray, VolumeMeta]:
 
             array = tifffile.imread(str(path))
             meta = VolumeMeta(ext)
+        elif ext == ".zarr":
+            array = np.asarray(zarr_array(path)[...])
+            meta = VolumeMeta(ext)
         else:
             array = np.load(path, allow_pickle=False)
             meta = VolumeMeta(ext)
+    except VolumeError:
+        raise
     except Exception as exc:  # every reader has its own zoo of errors for a bad file
         raise VolumeError(f"{path}: cannot read {ext} file, corrupt or truncated? ({exc})") from exc
     if not isinstance(array, np.ndarray) or array.dtype.kind not in "biuf":
@@ -91,7 +117,11 @@ def volume_header(path: Path | str) -> tuple[tuple[int, ...], tuple[float, float
 
             with tifffile.TiffFile(str(path)) as tif:
                 return tuple(tif.series[0].shape), None
+        if ext == ".zarr":
+            return tuple(zarr_array(path).shape), None
         return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape), None
+    except VolumeError:
+        raise
     except Exception as exc:  # as in read_volume: every reader fails its own way
         raise VolumeError(
             f"{path}: cannot read {ext} header, corrupt or truncated? ({exc})"
@@ -112,8 +142,31 @@ def voxel_spacing(meta: VolumeMeta, mode: str = "header") -> tuple[tuple[float, 
     return zooms, NIFTI_UNITS.get(meta.header.get_xyzt_units()[0], "mm")
 
 
+def write_zarr(path: Path | str, array: np.ndarray) -> None:
+    """A zarr array folder, written beside ``path`` and renamed into place (an old one is moved
+    aside first and removed after: a folder cannot be renamed over a non-empty one)."""
+    import zarr
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    old = path.with_name(f".{path.name}.{os.getpid()}.old")
+    try:
+        chunks = tuple(min(c, s) for c, s in zip(ZARR_CHUNKS, array.shape))
+        out = zarr.create_array(str(tmp), shape=array.shape, dtype=array.dtype, chunks=chunks)
+        out[...] = array
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def write_volume(path: Path | str, array: np.ndarray, meta: VolumeMeta) -> None:
     """Write atomically (temporary file in the same folder, then rename) in ``meta``'s format."""
+    if meta.ext == ".zarr":
+        write_zarr(path, array)
+        return
     with atomic_path(path, suffix=meta.ext) as tmp:
         if meta.ext in (".nii", ".nii.gz"):
             import nibabel as nib

@@ -180,3 +180,43 @@ def test_mapped_array_pickles_small():
 
     mapped = MappedArray("/data/v.npy", "<f4", (512, 512, 512), 128)
     assert len(pickle.dumps(mapped)) < 300 and torch is not None
+
+
+def test_zarr_and_ome_zarr_are_read_by_region(tmp_path):
+    import zarr
+
+    from app.volume_io import VolumeMeta, read_volume, write_volume, zarr_array
+
+    array = np.arange(12 * 20 * 24, dtype=np.float32).reshape(12, 20, 24)
+    write_volume(tmp_path / "a.zarr", array, VolumeMeta(".zarr"))
+    write_volume(tmp_path / "a.zarr", array + 1, VolumeMeta(".zarr"))  # replaced whole
+    assert np.array_equal(read_volume(tmp_path / "a.zarr")[0], array + 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr"]  # no temporaries left
+    # an OME-Zarr image: the full-resolution level of its multiscales, chunked and compressed
+    group = zarr.open_group(str(tmp_path / "ome.zarr"), mode="w")
+    group.create_array("0", shape=array.shape, dtype=array.dtype, chunks=(4, 8, 8))[...] = array
+    group.create_array("1", shape=(6, 10, 12), dtype=array.dtype)
+    group.attrs["multiscales"] = [{"datasets": [{"path": "0"}, {"path": "1"}]}]
+    assert zarr_array(tmp_path / "ome.zarr").shape == array.shape
+    window = (slice(1, 9), slice(3, 17), slice(0, 24, 3))
+    for name, expected in (("a.zarr", array + 1), ("ome.zarr", array)):
+        region = open_mapped(tmp_path / name)
+        assert region.shape == (12, 20, 24) and np.array_equal(region[window], expected[window])
+    zarr.open_group(str(tmp_path / "plain.zarr"), mode="w")
+    with pytest.raises(VolumeError, match="without OME-Zarr multiscales"):
+        open_mapped(tmp_path / "plain.zarr")
+
+
+def test_zarr_data_root_trains_by_patches_like_the_in_memory_path(tmp_path, tiny_args):
+    root = write_dataset(tmp_path / "zarr", n_train=2, n_val=1, shape=(20, 36, 40), ext=".zarr")
+    memory, _, _ = load_train_val(root, "zscore")
+    index_split(root, tmp_path / "index")
+    lazy, _, _ = load_mapped_train_val(root, "zscore", 0, tmp_path / "index")
+    window = (slice(2, 18), slice(3, 35), slice(5, 37))
+    for a, b in zip(memory, lazy):
+        np.testing.assert_allclose(a.patch(window)[0], b.patch(window)[0], atol=1e-5)
+        assert np.array_equal(a.patch(window)[1], b.patch(window)[1])
+    run_dir = tmp_path / "run"
+    args = [*tiny_args, "--data-root", root, "--output-dir", run_dir, "--data-access", "mmap"]
+    assert run([*args, "--epochs", 1]) == 0
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["epoch"] == 1

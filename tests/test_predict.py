@@ -222,15 +222,15 @@ def test_nifti_keeps_affine_and_header_and_refuses_to_overwrite(tmp_path, checkp
     assert sorted(f.name for f in out.iterdir()) == sorted(before)  # no temporary left behind
 
 
-@pytest.mark.parametrize("ext", [".tif", ".tiff", ".npy", ".nii"])
+@pytest.mark.parametrize("ext", [".tif", ".tiff", ".npy", ".nii", ".zarr"])
 def test_format_in_is_format_out(tmp_path, checkpoint, capsys, ext):
-    write_inputs(tmp_path / "in", [(16, 32, 32)], ext=ext)
+    (source,) = write_inputs(tmp_path / "in", [(16, 32, 32)], ext=ext)
     code, _, _ = run(
         capsys,
         "--checkpoint",
         checkpoint,
         "--input",
-        tmp_path / "in",
+        source if ext == ".zarr" else tmp_path / "in",  # one .zarr folder is one volume
         "--output",
         tmp_path / "out",
         "--save",
