@@ -2,7 +2,9 @@
 
     python -m app.convert --data-root datasets/IronGrain/74x320x320 --out /cache/irongrain-npy
 
-Compressed NIfTI (``.nii.gz``) and compressed or tiled TIFF cannot be memory-mapped. This copies
+Compressed NIfTI (``.nii.gz``) cannot be read by regions (compressed or tiled TIFF and zarr can,
+but a plain ``.npy`` is the fastest to read patches from, and TIFF compressed by whole pages
+decodes every page a patch spans). This copies
 the layout (``{train,val}_patches/{images,labels}/NAME``) with every volume as a C-order ``.npy``
 of the same dtype and values, written atomically; a volume already converted (an ``.npy`` newer
 than its source) is skipped, so an interrupted conversion continues where it stopped. NIfTI

@@ -4,9 +4,9 @@ A volume is a :class:`MappedArray`: the file, the dtype, the shape and the byte 
 voxels (a C-order ``.npy``, or an uncompressed contiguous TIFF). Each read maps the file, copies
 the patch and unmaps it, so a process holds only the patches in flight (a mapping kept open
 would count every page ever read as resident). A zarr or OME-Zarr volume (:class:`ZarrRegion`)
-needs no mapping: zarr reads and decompresses only the chunks a patch touches. Compressed NIfTI
-and compressed or tiled TIFF cannot be read by regions: ``python -m app.convert`` turns them
-into ``.npy`` once.
+and a compressed or tiled TIFF (:class:`TiffRegion`, through tifffile's zarr interface) need no
+mapping: only the chunks, strips or tiles a patch touches are read and decoded. Compressed NIfTI
+cannot be read by regions: ``python -m app.convert`` turns it into ``.npy`` once.
 
 Per volume, one streaming pass (slab by slab, bounded memory) finds what the in-memory path
 learns from the whole array: the exact mean and std, percentiles from a strided sample, NaN/Inf,
@@ -98,12 +98,36 @@ class ZarrRegion(_Regions):
             raise DataError(f"{self.path}: cannot read: {os_cause(exc)}") from exc
 
 
-Regions = MappedArray | ZarrRegion
+@dataclass(frozen=True)
+class TiffRegion(_Regions):
+    """A compressed or tiled TIFF read a region at a time through tifffile's zarr interface,
+    which decodes only the strips or tiles a patch touches."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, int, int]
+
+    def __getitem__(self, window: tuple[slice, ...]) -> np.ndarray:
+        import tifffile
+        import zarr
+
+        try:
+            store = tifffile.imread(self.path, aszarr=True)
+        except OSError as exc:  # the data root went away or lost its permissions mid-run
+            raise DataError(f"{self.path}: cannot read: {os_cause(exc)}") from exc
+        try:
+            return np.asarray(zarr.open(store, mode="r")[window])
+        finally:
+            store.close()
+
+
+Regions = MappedArray | ZarrRegion | TiffRegion
 
 
 def open_mapped(path: Path) -> Regions:
-    """The voxels of ``path`` as a :class:`MappedArray` (or a :class:`ZarrRegion`); a clear
-    error for what cannot be read by regions."""
+    """The voxels of ``path`` read by regions: a :class:`MappedArray` (C-order ``.npy``,
+    uncompressed TIFF), a :class:`TiffRegion` (compressed or tiled TIFF) or a
+    :class:`ZarrRegion`; a clear error for what cannot be read so."""
     ext = split_ext(path)[1]
     convert = "convert it once with python -m app.convert (see README)"
     if ext == ".zarr":
@@ -124,10 +148,6 @@ def open_mapped(path: Path) -> Regions:
             with tifffile.TiffFile(str(path)) as tif:
                 series = tif.series[0]
                 shape, dtype, offset = series.shape, series.dtype, series.dataoffset
-            if offset is None:
-                raise VolumeError(
-                    f"{path}: a compressed or tiled TIFF cannot be memory-mapped; {convert}"
-                )
         else:
             raise VolumeError(f"{path}: {ext} cannot be memory-mapped; {convert}")
     except VolumeError:
@@ -139,6 +159,8 @@ def open_mapped(path: Path) -> Regions:
     dtype = np.dtype(dtype)
     if len(shape) != 3 or dtype.kind not in "biuf":
         raise VolumeError(f"{path}: expected a 3D numeric array, got {dtype} {tuple(shape)}")
+    if offset is None:  # a compressed or tiled TIFF: decoded by strips or tiles instead
+        return TiffRegion(str(path), dtype.str, tuple(int(s) for s in shape))
     mapped = MappedArray(str(path), dtype.str, tuple(int(s) for s in shape), int(offset))
     expected = mapped.offset + mapped.size * dtype.itemsize
     if Path(path).stat().st_size < expected:
