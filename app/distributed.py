@@ -148,6 +148,16 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def gather_object(obj: Any) -> list:
+    """``obj`` of every rank, in rank order, on every rank (``[obj]`` without a process
+    group)."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def run_on_primary(
     catch: tuple[type[Exception], ...], action: Callable[..., object], *args: Any
 ) -> None:

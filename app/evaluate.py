@@ -31,7 +31,7 @@ Policies
   grains by the distance-map watershed, and so is the label unless an instance map gives the
   true grains: ``--instances DIR`` with ``NAME.EXT`` maps (0 background, one id per grain), by
   default the ``instances`` folder beside ``--labels`` when there is one (the synthetic
-  generator writes it). Grains under ``--min-grain-size`` voxels are left out on both sides.
+  generator writes it). Grains under ``--grain-min-size`` voxels are left out on both sides.
   Per volume: grain counts, one-to-one matches at IoU >= 0.5, object precision, recall and F1,
   merged and split grains, the count error (predicted - true), and the size-distribution error
   (predicted - true d10/d50/d90 of the equivalent diameters, and their Wasserstein distance) in
@@ -95,6 +95,7 @@ GRAIN_COLUMNS = (
     "wasserstein",
     "grain_unit",
 )
+GRAIN_PREFIX = "grain-"  # --grain-min-size, --grain-h, --grain-smooth
 CSV_COLUMNS = ("name", "prediction", "label", "shape", "tp", "fp", "fn", *METRICS, "hd95_unit")
 
 
@@ -478,7 +479,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="header",
         help="HD95 and grain sizes in the label's NIfTI spacing, or in voxels",
     )
-    grain = parser.add_argument_group("grains (object-level figures, see app.grains)")
     parser.add_argument(
         "--num-classes",
         metavar="K",
@@ -493,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="the K class names, background first (default: class0 ... classK-1)",
     )
+    grain = parser.add_argument_group("grains (object-level figures, see app.grains)")
     grain.add_argument(
         "--no-grains", action="store_true", help="voxel figures only (faster on big volumes)"
     )
@@ -503,27 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="true grain instance maps NAME.EXT (default: LABELS/../instances when it "
         "exists, else the watershed of each label)",
     )
-    grain.add_argument(
-        "--min-grain-size",
-        metavar="N",
-        type=int,
-        default=grains.GrainParams.min_size,
-        help="grains under N voxels are left out, predicted and true",
-    )
-    grain.add_argument(
-        "--grain-h",
-        metavar="H",
-        type=float,
-        default=grains.GrainParams.h,
-        help="watershed seed depth in the smoothed distance map (voxels)",
-    )
-    grain.add_argument(
-        "--grain-smooth",
-        metavar="S",
-        type=float,
-        default=grains.GrainParams.smooth,
-        help="Gaussian sigma (voxels) on the distance map before seeding",
-    )
+    grains.add_grain_arguments(grain, prefix=GRAIN_PREFIX)
     return parser
 
 
@@ -536,9 +517,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     grain_params, truth = None, None
     if not args.no_grains:
         try:
-            grain_params = grains.GrainParams(args.min_grain_size, args.grain_h, args.grain_smooth)
+            grain_params = grains.params_from_args(args, GRAIN_PREFIX)
         except grains.GrainError as exc:
-            raise EvaluateError(str(exc).replace("--", "--grain-", 1)) from exc
+            raise EvaluateError(str(exc)) from exc
         folder = instances_folder(args.instances, args.labels)
         if folder is not None:
             pairs = attach_instances(pairs, folder)

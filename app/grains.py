@@ -81,6 +81,50 @@ class GrainParams:
             raise GrainError(f"--smooth must be 0 or more, got {self.smooth}")
 
 
+def add_grain_arguments(parser, prefix: str = "") -> None:
+    """The splitting flags ``--{prefix}min-size``, ``--{prefix}h`` and ``--{prefix}smooth``
+    (app.grains: no prefix; app.evaluate: ``grain-``); read back by :func:`params_from_args`."""
+    dest = prefix.replace("-", "_")
+    parser.add_argument(
+        f"--{prefix}min-size",
+        dest=f"{dest}min_size",
+        type=int,
+        default=GrainParams.min_size,
+        metavar="N",
+        help="grains under N voxels are dropped (in evaluation: predicted and true)",
+    )
+    parser.add_argument(
+        f"--{prefix}h",
+        dest=f"{dest}h",
+        type=float,
+        default=GrainParams.h,
+        metavar="H",
+        help="distance-map dip (voxels) that separates two touching grains",
+    )
+    parser.add_argument(
+        f"--{prefix}smooth",
+        dest=f"{dest}smooth",
+        type=float,
+        default=GrainParams.smooth,
+        metavar="S",
+        help="Gaussian sigma (voxels) on the distance map before seeding (0: none)",
+    )
+
+
+def params_from_args(args: argparse.Namespace, prefix: str = "") -> GrainParams:
+    """The :class:`GrainParams` of :func:`add_grain_arguments`'s flags; an error names the
+    flag as given on that command line."""
+    dest = prefix.replace("-", "_")
+    try:
+        return GrainParams(
+            getattr(args, f"{dest}min_size"),
+            getattr(args, f"{dest}h"),
+            getattr(args, f"{dest}smooth"),
+        )
+    except GrainError as exc:
+        raise GrainError(str(exc).replace("--", f"--{prefix}", 1)) from exc
+
+
 # ----------------------------------------------------------------------------- splitting
 def as_mask(array: np.ndarray, path: Path | str, threshold: float | None = None) -> np.ndarray:
     """A boolean mask from a binary array ({0, 1}, {0, 255}, bool), or ``array > threshold``."""
@@ -473,23 +517,7 @@ by number and by volume, per volume and pooled) and psd.png (size distribution).
         metavar="T",
         help="foreground where value > T; needed for non-binary input such as probabilities",
     )
-    parser.add_argument(
-        "--min-size", type=int, default=GrainParams.min_size, metavar="N", help="smallest grain"
-    )
-    parser.add_argument(
-        "--h",
-        type=float,
-        default=GrainParams.h,
-        metavar="H",
-        help="distance-map dip (voxels) that separates two touching grains",
-    )
-    parser.add_argument(
-        "--smooth",
-        type=float,
-        default=GrainParams.smooth,
-        metavar="S",
-        help="Gaussian sigma (voxels) on the distance map before seeding (0: none)",
-    )
+    add_grain_arguments(parser)
     parser.add_argument(
         "--spacing",
         choices=["header", "voxel"],
@@ -510,7 +538,7 @@ by number and by volume, per volume and pooled) and psd.png (size distribution).
 def analyse(args: argparse.Namespace) -> dict[str, Any]:
     from app.volume_io import write_volume
 
-    params = GrainParams(args.min_size, args.h, args.smooth)
+    params = params_from_args(args)
     masks = list_masks(args.input)
     if args.images is not None and not args.images.is_dir():
         raise GrainError(f"--images {args.images}: no such folder")

@@ -52,7 +52,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
@@ -60,7 +59,7 @@ from app import precision as amp
 from app.checkpoint import CheckpointError, load_checkpoint
 from app.config import FIELDS, Config, ConfigError
 from app.data import Normalization, check_finite
-from app.distributed import barrier, distributed_session, reduce_tensor
+from app.distributed import barrier, distributed_session, gather_object, reduce_tensor
 from app.ema import inference_weights
 from app.grains import clean_mask
 from app.inference import predict_logits
@@ -328,15 +327,6 @@ def write_outputs(
         write_volume(path, arrays[kind], meta)
 
 
-def gather(items: list) -> list[list]:
-    """Every rank's list, on every rank (a one-element list without a process group)."""
-    if not dist.is_initialized():
-        return [items]
-    out: list[list] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(out, items)
-    return out
-
-
 # ----------------------------------------------------------------------------- the command
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the epilog's line breaks; shows a default only where there is one to show."""
@@ -553,7 +543,8 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
             done.append(job.name)
             voxels += raw.size
         reduce_tensor(voxels)
-        per_rank, failures = gather(done), [f for rank in gather(failed) for f in rank]
+        per_rank = gather_object(done)
+        failures = [f for rank in gather_object(failed) for f in rank]
         elapsed = time.perf_counter() - started
         summary = {
             "volumes": len(jobs),

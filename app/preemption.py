@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from app.checkpoint import rng_state
-from app.distributed import DistEnv, reduce_tensor
+from app.distributed import DistEnv, gather_object, reduce_tensor
 from app.epoch_position import EpochPosition
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class EpochControl:
             batch_size=self.position.batch_size,
             elapsed_s=time.perf_counter() - self.started,
         )
-        self.write(position, gather(rng_state()))
+        self.write(position, gather_object(rng_state()))
         self.clock.reset()
         if signum:
             raise Preempted(signum, position.epoch, step)
@@ -178,12 +178,3 @@ class NullControl:
 
 
 NO_CONTROL = NullControl()
-
-
-def gather(obj: Any) -> list:
-    """``obj`` of every rank, in rank order (``[obj]`` without a process group)."""
-    if not dist.is_initialized():
-        return [obj]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered

@@ -335,3 +335,5 @@ def test_bad_instance_maps_are_named(tmp_path, capsys):
     assert str(folder / "b.nii.gz") in err and "(6, 8, 9)" in err
     code, _, err = run(tmp_path, capsys, "--grain-h", "0")
     assert code == 2 and "--grain-h" in err
+    code, _, err = run(tmp_path, capsys, "--grain-min-size", "0")
+    assert code == 2 and "--grain-min-size must be at least 1" in err
