@@ -60,6 +60,20 @@ def atomic_path(path: Path | str, suffix: str = ".tmp") -> Iterator[Path]:
     _fsync(path.parent)
 
 
+def probe_writable(folder: Path | str) -> None:
+    """Create ``folder`` and write, sync and delete a hidden file there; raises the OSError of a
+    read-only mount, a missing permission or a full disk now, before any result is computed."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-check.")
+    try:
+        os.write(fd, b"irongrain")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
 def atomic_write(path: Path | str, write: Callable[[BinaryIO], object]) -> None:
     """Call ``write(file_object)`` on a temporary file, then rename it to ``path``."""
     with atomic_path(path) as tmp, open(tmp, "wb") as f:

@@ -44,7 +44,6 @@ import dataclasses
 import logging
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +55,7 @@ from torch import nn
 from tqdm import tqdm
 
 from app import precision as amp
+from app.atomic import probe_writable
 from app.checkpoint import CheckpointError, load_checkpoint
 from app.config import FIELDS, Config, ConfigError
 from app.data import Normalization, check_finite
@@ -287,10 +287,7 @@ def check_output(output: Path, source: Path, jobs: list[Job], overwrite: bool) -
     if source.is_dir() and output.resolve() == source.resolve():
         raise PredictError(f"--output {output}: is the input folder; choose another folder")
     try:
-        output.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=output, prefix=".write-test-")
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(output)
     except OSError as exc:
         raise PredictError(
             f"--output {output}: cannot write there ({exc.strerror or exc})"

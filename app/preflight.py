@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from app.atomic import os_cause
+from app.atomic import os_cause, probe_writable
 from app.config import ConfigError
 from app.data import DataError
 
@@ -16,17 +16,10 @@ from app.data import DataError
 def check_output_dir(run_dir: Path) -> None:
     """Create ``run_dir`` and write and delete a file there: a read-only mount, a missing
     permission or a full disk shows up now, not after the first epoch."""
-    folder = run_dir
-    probe = folder / f".write-check.{os.getpid()}"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"irongrain")
-            f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
+        probe_writable(run_dir)
     except OSError as exc:
-        where = exc.filename or folder
+        where = exc.filename or run_dir
         raise ConfigError(f"--output-dir {run_dir}: cannot write {where}: {os_cause(exc)}") from exc
 
 
