@@ -11,7 +11,9 @@
 #   MAX_RESTARTS              elastic restarts of the whole group after a worker dies (default 0);
 #                             restarted workers resume from OUTPUT_DIR/checkpoints/last.pt
 #   SHUTDOWN_TIMEOUT          seconds torchrun gives the workers after passing on a SIGTERM,
-#                             before SIGKILL (default 120): room for the mid-epoch checkpoint
+#                             before SIGKILL (default 120): room for the mid-epoch checkpoint.
+#                             Only torch >= 2.12's torchrun has --shutdown-timeout; an older one
+#                             (the apex image's 2.8) gives a fixed 30 s, and app.launcher says so
 #   PYTHON                    interpreter (default: python)
 #
 # On SIGTERM (Kubernetes preempting the pod) the trainer finishes its step, writes a mid-epoch
@@ -63,6 +65,7 @@ else
   torchrun_args+=(--max-restarts "$MAX_RESTARTS")
 fi
 
+# app.launcher drops this where the torchrun it runs has no such option (torch < 2.12).
 torchrun_args+=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")
 
 # Not exec: this shell stays (PID 1 in a container) to pass a SIGTERM on to torchrun and to exit
