@@ -7,19 +7,25 @@
 #   docker build -t irongrain:0.1.0 .
 #   docker run --rm --gpus all --ipc=host -v "$PWD/data:/data" -v "$PWD/runs:/runs" irongrain:0.1.0
 #
-# Base image: torch 2.8.0 + CUDA 12.8 + cuDNN 9 (9.10.2), Python 3.11.
-#   * Not torch 2.9.x: 2.9.0 turned cuDNN off for fp16/bf16 3D convolutions, about 4x slower AMP
-#     for a 3D U-Net (pytorch/pytorch#166122). 2.9.1 turns it back on only with cuDNN >= 9.15,
-#     which no 2.9.x build ships.
-#   * 2.8.0 is the release that #166122 measured as fast. monai 1.6.1 (requirements.txt) needs
-#     torch >= 2.8.0. CUDA 12.8 covers Volta to Blackwell. It wants an NVIDIA driver >= 570;
-#     older R525+ drivers work through CUDA minor-version compatibility.
-#   * Known cuDNN 9.10.2 caveat: bf16 3D convolutions on very large tensors can give wrong
-#     results (pytorch/pytorch#163539). The default AMP dtype is float16. For bf16, prefer the
-#     2.10.0-cuda13.0-cudnn9-runtime tag (cuDNN 9.15, needs driver >= 580).
+# Base image: torch 2.13.0 + CUDA 13.0 + cuDNN 9, the torch that CI tests (requirements-cpu.txt;
+# tests/test_lock.py fails when the two differ).
+#   * Since 2.10 the official images are Ubuntu 24.04 with torch pip-installed into the system
+#     Python 3.12, which is marked externally managed (PEP 668; pytorch#169873, #170338): a plain
+#     `pip install` fails there. docker/pip-install-keep-torch.sh installs into that Python on
+#     purpose (one application per image) and fails the build if torch would change.
+#   * CUDA 13.0 rather than a 12.x tag: since 2.10 the CUDA 13 builds ship cuDNN >= 9.15
+#     (pytorch#171189), the release that fp16/bf16 3D convolutions need. 2.9.0 routed them away
+#     from cuDNN (about 4x slower AMP for a 3D U-Net, pytorch#166122) and 2.9.1+ route them back
+#     only with cuDNN >= 9.15; cuDNN 9.10.2 (the 12.x builds of 2.8) computes some large bf16 3D
+#     convolutions wrongly (pytorch#163539). The build fails on a CUDA torch >= 2.9 with an older
+#     cuDNN (pip-install-keep-torch.sh), and the trainer logs the cuDNN version at start.
+#   * CUDA 13 needs an NVIDIA driver >= 580. For an older driver pass a 2.13.0-cuda12.x tag and
+#     check the cuDNN line the build prints.
+#   * Not built here: CI has no registry and no GPU. It builds this Dockerfile on a stand-in
+#     base (docker/ci/standin-base.sh: Debian's Python 3.11, the CPU wheel of the same torch,
+#     the same marker, user and paths) and runs it (docker/ci/image-check.sh).
 # To change it, pass --build-arg PYTORCH_IMAGE=pytorch/pytorch:<ver>-cuda<x>-cudnn9-runtime.
-# tests/test_container.py rejects an unpinned tag and torch 2.9.x.
-ARG PYTORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
+ARG PYTORCH_IMAGE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
 
 FROM ${PYTORCH_IMAGE}
 
@@ -44,10 +50,12 @@ ENV NO_ALBUMENTATIONS_UPDATE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/irongrain
 
-# Dependencies before code, so a code change reuses this layer. torch stays the base image's
-# CUDA build: pip-install-keep-torch.sh pins it and fails the build if it would change.
-COPY requirements.txt docker/pip-install-keep-torch.sh /tmp/build/
-RUN bash /tmp/build/pip-install-keep-torch.sh --requirement /tmp/build/requirements.txt \
+# Dependencies before code, so a code change reuses this layer. Every version comes from
+# requirements.lock, the lock CI and make install from. torch stays the base image's CUDA
+# build: pip-install-keep-torch.sh pins it and fails the build if it would change.
+COPY requirements.txt requirements.lock docker/pip-install-keep-torch.sh /tmp/build/
+RUN bash /tmp/build/pip-install-keep-torch.sh --lock /tmp/build/requirements.lock \
+        --requirement /tmp/build/requirements.txt \
     && rm -rf /tmp/build
 
 # A numeric non-root user (uid/gid 1000, as in the k8s securityContext). /data (mounted data),
@@ -70,7 +78,7 @@ COPY configs/ ./configs/
 COPY bench/ ./bench/
 COPY datasets/README.md datasets/*.py ./datasets/
 COPY app/ ./app/
-RUN python -m compileall -q app
+RUN python3 -m compileall -q app
 
 USER 1000:1000
 

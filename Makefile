@@ -6,11 +6,12 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_DATA := datasets/IronGrain/demo
 DEMO_RUN := runs/demo
 
-.PHONY: install demo test lint format bench clean-demo
+.PHONY: install demo test image-check lint format lock bench clean-demo
 
-$(STAMP): requirements.txt requirements-cpu.txt requirements-dev.txt
+# Every version comes from requirements.lock, as in CI and the image.
+$(STAMP): requirements.txt requirements-cpu.txt requirements-dev.txt requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check \
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements.lock \
 		-r requirements-cpu.txt -r requirements.txt -r requirements-dev.txt
 	touch $@
 
@@ -29,6 +30,11 @@ demo: $(STAMP) $(DEMO_DATA)/.complete
 test: $(STAMP)
 	$(PY) -m pytest
 
+# The default image built on a stand-in base and run (docker/ci/image-check.sh): root, buildah
+# and debootstrap, no Docker engine or registry.
+image-check:
+	bash docker/ci/image-check.sh
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -36,6 +42,15 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# Resolve the requirements afresh into requirements.lock (then review the diff).
+lock:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install --quiet --disable-pip-version-check \
+		-r requirements-cpu.txt -r requirements.txt -r requirements-dev.txt
+	{ grep '^#' requirements.lock; .lock-venv/bin/python -m pip freeze --exclude-editable \
+		| grep -v '^torch=='; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock && rm -rf .lock-venv
 
 bench: $(STAMP)
 	$(PY) bench/train_step.py --config configs/demo.yaml --compare-auto

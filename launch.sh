@@ -14,7 +14,7 @@
 #                             before SIGKILL (default 120): room for the mid-epoch checkpoint.
 #                             Only torch >= 2.12's torchrun has --shutdown-timeout; an older one
 #                             (the apex image's 2.8) gives a fixed 30 s, and app.launcher says so
-#   PYTHON                    interpreter (default: python)
+#   PYTHON                    interpreter (default: python3, as in every image)
 #
 # On SIGTERM (Kubernetes preempting the pod) the trainer finishes its step, writes a mid-epoch
 # checkpoint and exits; launch.sh then exits 143 (128 + 15), a code the PyTorchJob's ExitCode
@@ -23,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 export NO_ALBUMENTATIONS_UPDATE=1 PYTHONUNBUFFERED=1
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-python3}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
 

@@ -579,14 +579,32 @@ def test_base_image_is_a_pinned_pytorch_image_without_torch_2_9():
     assert base_image_errors(text_of("apex"), {"devel"}, allow_ngc=True) == []
 
 
-def test_both_images_have_the_same_torch_and_cuda():
-    tags = [
-        PYTORCH_TAG.match(parse_dockerfile(text_of(w)).root_base()) for w in sorted(DOCKERFILES)
-    ]
-    assert all(tags), "both images are based on pytorch/pytorch"
-    assert {(m["torch"], m["cuda"], m["cudnn"]) for m in tags} == {
-        (tags[0]["torch"], tags[0]["cuda"], tags[0]["cudnn"])
-    }, "native and apex runs should compare the same torch"
+def image_torch(which: str) -> str:
+    return PYTORCH_TAG.match(parse_dockerfile(text_of(which)).root_base())["torch"]
+
+
+def ci_torch() -> str:
+    """The torch that make and CI install and test (requirements-cpu.txt)."""
+    text = (ROOT / "requirements-cpu.txt").read_text()
+    return re.search(r"^torch==(\d+\.\d+\.\d+)\s*$", text, re.M)[1]
+
+
+def test_the_default_image_ships_the_torch_ci_tests():
+    assert image_torch("default") == ci_torch()
+    import torch
+
+    assert torch.__version__.split("+")[0] == ci_torch(), "make install a fresh venv"
+
+
+def test_the_apex_image_is_the_only_one_on_another_torch_and_says_so():
+    """apex 25.05 (the last with apex.amp) is built against the torch it was released with;
+    launch.sh then runs on its torchrun, which has no --shutdown-timeout (30 s grace)."""
+    torch = image_torch("apex")
+    if torch != ci_torch():
+        header = text_of("apex").split("ARG PYTORCH_DEVEL_IMAGE=")[0]
+        assert f"torch {torch}" in header and "30 s" in header
+        docs = (ROOT / "docs" / "deployment.md").read_text()
+        assert f"torch {torch}" in docs and "30 s" in docs
 
 
 def test_apex_image_pins_apex_with_amp():
@@ -645,12 +663,46 @@ def test_compose_runs_the_trainer_on_all_gpus_with_tensorboard():
     assert tb_mounts["/runs"] == mounts["/runs"], "TensorBoard reads the trainer's runs volume"
     assert tb["command"][0] == "tensorboard" and "--bind_all" in tb["command"]
     assert tb["command"][tb["command"].index("--logdir") + 1] == "/runs"
-    assert "6006:6006" in tb["ports"]
+    assert tb["ports"] == ["127.0.0.1:6006:6006"], "TensorBoard has no auth: this host only"
     assert tb["image"] == train["image"]
 
 
+def seconds(duration: str) -> int:
+    m = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", duration)
+    return int(m[1] or 0) * 60 + int(m[2] or 0)
+
+
+def test_compose_stop_grace_fits_the_mid_epoch_checkpoint():
+    train = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]["train"]
+    shutdown = int(train["environment"]["SHUTDOWN_TIMEOUT"])
+    assert seconds(train["stop_grace_period"]) >= shutdown + 20
+
+
+def docker_run_commands(text: str) -> list[str]:
+    """Every `docker run` command of the shell blocks of a Markdown text, continuations joined."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            if command.lstrip().startswith("docker run"):
+                commands.append(command)
+    return commands
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/deployment.md"])
+def test_docs_docker_run_lines_work_for_any_host_user_and_stop_gracefully(doc):
+    runs = docker_run_commands((ROOT / doc).read_text())
+    assert runs
+    for command in runs:
+        mounts_host_folder = re.search(r'-v "\$PWD/', command)
+        if mounts_host_folder:
+            assert "--user" in command or "as_me" in command, command
+        trains = "--gpus" in command and "gpu_check" not in command
+        if trains:
+            assert "--stop-timeout 180" in command and "SHUTDOWN_TIMEOUT=150" in command, command
+
+
 def test_docs_name_the_pinned_versions_and_launcher_env():
-    docs = (ROOT / "README.md").read_text()
+    docs = (ROOT / "README.md").read_text() + (ROOT / "docs" / "deployment.md").read_text()
     for which in sorted(DOCKERFILES):
         assert parse_dockerfile(text_of(which)).root_base() in docs, which
     assert "25.05" in docs
@@ -698,18 +750,20 @@ from types import SimpleNamespace
 with open(os.path.join(os.environ["FAKE_STATE"], "torch")) as f:
     __version__ = f.read().strip()
 version = SimpleNamespace(cuda="12.8")
-backends = SimpleNamespace(cudnn=SimpleNamespace(version=lambda: 91002))
+backends = SimpleNamespace(
+    cudnn=SimpleNamespace(version=lambda: int(os.environ.get("FAKE_CUDNN", "91002")))
+)
 """
 
 
 def run_keep_torch(
-    tmp_path: Path, torch_version: str, new_torch: str = ""
+    tmp_path: Path, torch_version: str, new_torch: str = "", cudnn: int = 91002
 ) -> subprocess.CompletedProcess:
     bin_dir, state, lib = tmp_path / "bin", tmp_path / "state", tmp_path / "lib" / "torch"
     for d in (bin_dir, state, lib):
         d.mkdir(parents=True)
-    (bin_dir / "python").write_text(FAKE_PYTHON)
-    (bin_dir / "python").chmod(0o755)
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
     (lib / "__init__.py").write_text(FAKE_TORCH)
     (state / "torch").write_text(torch_version)
     env = {
@@ -719,6 +773,7 @@ def run_keep_torch(
         "REAL_PYTHON": sys.executable,
         "FAKE_STATE": str(state),
         "FAKE_NEW_TORCH": new_torch,
+        "FAKE_CUDNN": str(cudnn),
     }
     return subprocess.run(
         [
@@ -742,13 +797,24 @@ def test_keep_torch_pins_the_base_images_cuda_packages(tmp_path):
     args = (tmp_path / "state" / "pip-args").read_text().split()
     assert args[args.index("--requirement") + 1] == "requirements.txt"
     constraints = (tmp_path / "state" / "constraints").read_text().split()
-    assert constraints == ["torch==2.8.0+cu128", "triton==3.4.0", "nvidia-cudnn-cu12==9.10.2.21"]
+    assert sorted(constraints) == [
+        "nvidia-cudnn-cu12==9.10.2.21",
+        "torch==2.8.0+cu128",
+        "triton==3.4.0",
+    ]
 
 
 def test_keep_torch_fails_the_build_when_pip_replaces_torch(tmp_path):
     proc = run_keep_torch(tmp_path, "2.8.0+cu128", new_torch="2.9.0+cu128")
     assert proc.returncode != 0
     assert "replaced the base image's torch" in proc.stderr
+
+
+def test_keep_torch_rejects_a_new_torch_on_a_cudnn_before_9_15(tmp_path):
+    proc = run_keep_torch(tmp_path, "2.13.0+cu128", cudnn=91002)
+    assert proc.returncode != 0
+    assert "cuDNN 9.15" in proc.stderr
+    assert run_keep_torch(tmp_path / "ok", "2.13.0+cu130", cudnn=91501).returncode == 0
 
 
 def test_keep_torch_rejects_a_torch_2_9_base(tmp_path):
@@ -832,11 +898,11 @@ def test_launch_sh_references_must_be_copied(tmp_path):
 @pytest.mark.parametrize(
     ("old", "new", "needle"),
     [
-        ("2.8.0-cuda12.8-cudnn9-runtime", "2.9.0-cuda12.8-cudnn9-runtime", "torch 2.9"),
-        ("2.8.0-cuda12.8-cudnn9-runtime", "2.9.1-cuda13.0-cudnn9-runtime", "torch 2.9"),
-        ("pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime", "pytorch/pytorch:latest", "pinned"),
-        ("2.8.0-cuda12.8-cudnn9-runtime", "2.8.0-cuda12.8-cudnn9-devel", "runtime image"),
-        ("FROM ${PYTORCH_IMAGE}", "FROM pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime", "ARG"),
+        ("2.13.0-cuda13.0-cudnn9-runtime", "2.9.0-cuda12.8-cudnn9-runtime", "torch 2.9"),
+        ("2.13.0-cuda13.0-cudnn9-runtime", "2.9.1-cuda13.0-cudnn9-runtime", "torch 2.9"),
+        ("pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime", "pytorch/pytorch:latest", "pinned"),
+        ("2.13.0-cuda13.0-cudnn9-runtime", "2.13.0-cuda13.0-cudnn9-devel", "runtime image"),
+        ("FROM ${PYTORCH_IMAGE}", "FROM pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime", "ARG"),
     ],
     ids=["torch-2.9.0", "torch-2.9.1", "latest", "devel-default", "no-arg"],
 )
