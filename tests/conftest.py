@@ -6,14 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import (  # noqa: F401  (re-exported until the tests import helpers)
-    ROOT,
-    TINY,
-    blob_volume,
-    free_port,
-    train_tiny,
-    write_dataset,
-)
+from helpers import TINY, write_dataset
 
 
 @pytest.fixture

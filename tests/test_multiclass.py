@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
+from helpers import TIMING, TINY, write_phases
 
 from app import precision as amp_ops
 from app.config import Config, ConfigError, load_config
@@ -25,32 +25,6 @@ from app.volume_io import VolumeMeta, write_volume
 
 
 # ----------------------------------------------------------------------------- data
-def phase_volume(shape, rng: np.random.Generator, num_classes: int):
-    """Blobs of classes 1..K-1, each class brighter than the last, on a dark noisy background."""
-    grid = np.stack(np.meshgrid(*[np.arange(s) for s in shape], indexing="ij"), -1).astype(float)
-    label = np.zeros(shape, np.uint8)
-    for c in range(1, num_classes):
-        for _ in range(2):
-            centre = rng.uniform(0, shape)
-            radii = rng.uniform(2, max(3, min(shape) / 3), 3)
-            label[(((grid - centre) / radii) ** 2).sum(-1) < 1] = c
-    image = label * 1.0 + rng.normal(0, 0.25, shape)
-    return image.astype(np.float32), label
-
-
-def write_phases(root, num_classes=3, n_train=3, n_val=3, shape=(16, 32, 32), seed=0):
-    rng = np.random.default_rng(seed)
-    for split, count in (("train_patches", n_train), ("val_patches", n_val)):
-        for kind in ("images", "labels"):
-            (root / split / kind).mkdir(parents=True, exist_ok=True)
-        for i in range(count):
-            image, label = phase_volume(shape, rng, num_classes)
-            meta = VolumeMeta(".nii.gz", affine=np.eye(4))
-            write_volume(root / split / "images" / f"vol_{i:02d}.nii.gz", image, meta)
-            write_volume(root / split / "labels" / f"vol_{i:02d}.nii.gz", label, meta)
-    return root
-
-
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory):
     # an odd number of validation volumes: 2 ranks get 2 and 1, with nothing padded
@@ -251,9 +225,6 @@ def train_args(data, run_dir, epochs, *extra):
 
 def records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-TIMING = ("epoch_time_s", "train_time_s", "val_time_s", "samples_per_s", "voxels_per_s")
 
 
 def test_k3_trains_reports_per_class_and_resumes_exactly(phases, tmp_path):

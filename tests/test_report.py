@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import blob_volume, train_tiny, write_dataset
+from helpers import blob_volume, train_tiny, write_dataset
 
 from app import report
 from app.tracking import montage
