@@ -66,8 +66,8 @@ from scipy import ndimage
 
 from app import grains
 from app.atomic import atomic_write_bytes
+from app.cli import HelpFormatter
 from app.data import binarize_label, check_class_label, check_finite
-from app.predict import HelpFormatter
 from app.volume_io import (
     EXTENSIONS,
     VolumeError,

@@ -24,7 +24,7 @@ Policies
   below are for binary masks and are refused.
 - Post-processing of the mask, off by default (it did not measure better on the demo data, see
   the README): ``--min-object-size N`` removes connected objects under N voxels,
-  ``--fill-holes`` fills cavities enclosed in 3D (:func:`app.grains.clean_mask`). The
+  ``--fill-holes`` fills cavities enclosed in 3D (:func:`app.masks.clean_mask`). The
   probabilities are written as predicted.
 - Safety: the checkpoint, the inputs and the output folder (writable, and none of the outputs
   already there unless ``--overwrite``) are checked before anything is predicted. Each file is
@@ -57,12 +57,13 @@ from tqdm import tqdm
 from app import precision as amp
 from app.atomic import probe_writable
 from app.checkpoint import CheckpointError, load_checkpoint
+from app.cli import HelpFormatter
 from app.config import FIELDS, Config, ConfigError
 from app.data import Normalization, check_finite
 from app.distributed import barrier, distributed_session, gather_object, reduce_tensor
 from app.ema import inference_weights
-from app.grains import clean_mask
 from app.inference import predict_logits
+from app.masks import clean_mask
 from app.model import build_model
 from app.precision import Precision, build_precision
 from app.validation import shard
@@ -325,16 +326,6 @@ def write_outputs(
 
 
 # ----------------------------------------------------------------------------- the command
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the epilog's line breaks; shows a default only where there is one to show."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
-
-
 DESCRIPTION = """\
 Segment whole volumes with a trained checkpoint, exactly as the trainer validates:
 its normalisation, Gaussian-blended sliding windows of its patch size, its mixed

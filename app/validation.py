@@ -98,7 +98,7 @@ class EvalResult:
 @dataclass
 class SliceSample:
     """A few z-slices through the foreground of one validation volume, for the montage that
-    TensorBoard shows every epoch (``app.report.montage_figure``)."""
+    TensorBoard shows every epoch (``app.figures.montage_figure``)."""
 
     name: str
     z: list[int]

@@ -389,7 +389,7 @@ def test_predict_and_evaluate_refuse_what_does_not_fit_label_maps(k3_run, phases
 def test_montage_colours_each_class_and_report_leaves_grains_out(k3_run, phases):
     from matplotlib.colors import to_rgb
 
-    from app.report import CLASS_COLOURS, montage_figure
+    from app.figures import CLASS_COLOURS, montage_figure
     from app.report import main as report_main
 
     label = np.zeros((4, 24, 24), np.uint8)
