@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from app.labels import scheme_of_names
 from app.validation import pick_slices
 
 GROUND_TRUTH_COLOUR = "#00d0ff"  # cyan and orange: apart for the common colour blindnesses
@@ -76,7 +77,6 @@ def montage_figure(
     truth outlined in it.
     """
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
 
     image, label, prediction = (np.asarray(a) for a in (image, label, prediction))
     if image.ndim != 3 or image.shape != label.shape or image.shape != prediction.shape:
@@ -85,6 +85,9 @@ def montage_figure(
             f"{image.shape}, {label.shape}, {prediction.shape}"
         )
     class_label, class_prediction = label, prediction
+    overlay, legend = scheme_of_names(classes).choose(
+        binary=(_mask_overlay, _mask_legend), classes=(_class_overlay, _class_legend)
+    )
     label, prediction = label > 0.5, prediction > 0.5
     picks = pick_slices(label, prediction, max(1, n_slices))
     names = z_labels if z_labels is not None else list(range(image.shape[0]))
@@ -113,40 +116,62 @@ def montage_figure(
             interpolation="nearest",
             aspect="auto",
         )
-        outlines = [(label[z], GROUND_TRUTH_COLOUR)]
-        if classes:
-            fill = class_fill(class_prediction[z], len(classes))
-            ax.imshow(fill, interpolation="nearest", aspect="auto")
-            outlines = [(class_label[z] == c, class_colour(c)) for c in range(1, len(classes))]
-        elif instances is None:
-            outlines.append((prediction[z], PREDICTION_COLOUR))
-        else:
-            ax.imshow(grain_colours(instances[z]), interpolation="nearest", aspect="auto")
+        shown = (label[z], prediction[z], class_label[z], class_prediction[z])
+        outlines = overlay(ax, *shown, None if instances is None else instances[z], classes)
         for mask, colour in outlines:
             if mask.any() and not mask.all():  # a contour needs both sides of the level
                 ax.contour(mask.astype(np.float32), levels=[0.5], colors=[colour], linewidths=1.2)
         ax.set_title(f"z = {names[z]}", fontsize=8, pad=3)
         ax.set_axis_off()
+    handles, ncol = legend(instances, classes)
+    fig.legend(
+        handles=handles,
+        loc="lower center",
+        ncol=ncol,
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.02 / fig_h),
+    )
+    return _canvas(fig)
+
+
+def _mask_overlay(ax, label, prediction, class_label, class_prediction, instances, classes):
+    """The binary montage: the prediction outlined, or its grains (``instances``) filled."""
+    outlines = [(label, GROUND_TRUTH_COLOUR)]
+    if instances is None:
+        outlines.append((prediction, PREDICTION_COLOUR))
+    else:
+        ax.imshow(grain_colours(instances), interpolation="nearest", aspect="auto")
+    return outlines
+
+
+def _class_overlay(ax, label, prediction, class_label, class_prediction, instances, classes):
+    """The K-class montage: each class's prediction filled, its ground truth outlined."""
+    fill = class_fill(class_prediction, len(classes))
+    ax.imshow(fill, interpolation="nearest", aspect="auto")
+    return [(class_label == c, class_colour(c)) for c in range(1, len(classes))]
+
+
+def _mask_legend(instances, classes) -> tuple[list, int]:
+    from matplotlib.lines import Line2D
+
     handles = [
         Line2D([], [], color=GROUND_TRUTH_COLOUR, lw=2, label="ground truth"),
         Line2D([], [], color=PREDICTION_COLOUR, lw=2, label="prediction")
         if instances is None
         else Line2D([], [], color="#b0b0b0", lw=6, alpha=0.8, label="predicted grains"),
     ]
-    if classes:
-        handles = [
-            Line2D([], [], color=class_colour(c), lw=2, label=f"{name}: truth (line)")
-            for c, name in enumerate(classes[1:], start=1)
-        ] + [Line2D([], [], color="#b0b0b0", lw=6, alpha=0.8, label="prediction (fill)")]
-    fig.legend(
-        handles=handles,
-        loc="lower center",
-        ncol=len(handles) if classes else 2,
-        fontsize=8,
-        frameon=False,
-        bbox_to_anchor=(0.5, 0.02 / fig_h),
-    )
-    return _canvas(fig)
+    return handles, 2
+
+
+def _class_legend(instances, classes) -> tuple[list, int]:
+    from matplotlib.lines import Line2D
+
+    handles = [
+        Line2D([], [], color=class_colour(c), lw=2, label=f"{name}: truth (line)")
+        for c, name in enumerate(classes[1:], start=1)
+    ] + [Line2D([], [], color="#b0b0b0", lw=6, alpha=0.8, label="prediction (fill)")]
+    return handles, len(handles)
 
 
 def curves_figure(records: list[dict[str, Any]], title: str):

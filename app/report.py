@@ -41,8 +41,7 @@ from app.cli import HelpFormatter
 from app.config import ConfigError
 from app.data import SPLITS, DataError, load_volume_pair, pair_files
 from app.figures import curves_figure, figure_png, montage_figure, png_bytes, psd_figure
-from app.metrics import counts_for, dice_iou
-from app.precision import sigmoid, softmax
+from app.metrics import dice_iou
 from app.predict import load_predictor
 from app.tracking import read_metrics
 from app.volume_io import VolumeError, read_volume, voxel_spacing
@@ -100,9 +99,9 @@ def write_montages(
     import torch
 
     predictor = load_predictor(checkpoint, _device(device))
-    classes = predictor.cfg.classes  # K >= 2: class colours, and no grain figures
-    grain_params = None if classes else grain_params
-    count = counts_for(predictor.cfg.num_classes)
+    labels = predictor.cfg.labels
+    classes = labels.names  # K >= 2: class colours, and no grain figures
+    grain_params = labels.choose(binary=grain_params, classes=None)
     root = Path(data_root or run_config(run_dir).get("data_root") or predictor.cfg.data_root)
     if not root.is_dir():
         raise ReportError(f"{root}: data root of the run is missing; pass --data-root")
@@ -112,15 +111,14 @@ def write_montages(
     rng = np.random.default_rng(0)
     for name, image_path, label_path in pair_files(val)[:volumes]:
         vol = load_volume_pair(
-            name, image_path, label_path, predictor.normalization, rng, len(classes) or 1
+            name, image_path, label_path, predictor.normalization, rng, labels.num_classes
         )
         logits = predictor.logits(vol.image)
-        counts = count(logits, torch.as_tensor(vol.label, device=logits.device)[None, None])
+        target = torch.as_tensor(vol.label, device=logits.device)[None, None]
+        counts = labels.counts(logits, target)
         dice = float(dice_iou(counts.cpu())[0].mean())  # K >= 2: mean over foreground classes
-        if classes:  # the class of highest probability, as the per-class counts
-            prediction = softmax(logits, dim=1)[0].argmax(0).cpu().numpy()
-        else:
-            prediction = (sigmoid(logits)[0, 0] > 0.5).cpu().numpy()  # as the metrics threshold
+        # as the metrics count: sigmoid > 0.5, or the class of highest probability
+        prediction = labels.mask_of_probabilities(labels.probabilities(logits)).cpu().numpy()
         title = f"{name}: Dice {dice:.3f} ({checkpoint.name}, {run_dir.name})"
         rgb = montage_figure(vol.image, vol.label, prediction, title, n_slices, classes=classes)
         path = out_dir / f"montage_{name}.png"

@@ -132,7 +132,8 @@ def cmd_postprocess(args: argparse.Namespace) -> None:
     import torch
 
     from app.data import SPLITS, load_volume_pair, pair_files
-    from app.predict import THRESHOLD, load_predictor
+    from app.labels import THRESHOLD
+    from app.predict import load_predictor
 
     print(header("postprocess"))
     checkpoint = args.run / "checkpoints" / f"{args.checkpoint}.pt"

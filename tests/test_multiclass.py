@@ -15,7 +15,8 @@ from app import precision as amp_ops
 from app.config import Config, ConfigError, load_config
 from app.data import DataError, PatchDataset, load_split
 from app.distributed import DistEnv, prepare
-from app.losses import BCEDiceLoss, CEDiceLoss, build_loss
+from app.labels import build_loss
+from app.losses import BCEDiceLoss, CEDiceLoss
 from app.metrics import class_counts, dice_iou
 from app.model import build_model
 from app.precision import ApexPrecision
@@ -188,7 +189,8 @@ def test_foreground_oversampling_centres_each_class():
     label = np.zeros((16, 32, 32), np.uint8)
     label[2:14, 2:30, 2:30] = 1  # a common class
     label[8, 16, 16] = 2  # and one rare voxel
-    from app.data import Volume, class_voxels
+    from app.data import Volume
+    from app.labels import class_voxels
 
     voxels = class_voxels(label, 3, np.random.default_rng(0))
     vol = Volume("v", label.astype(np.float32), label, None, np.concatenate(voxels), voxels)
@@ -432,7 +434,8 @@ def test_resume_with_another_num_classes_is_refused(phases, k3_run, tmp_path, ca
 
 
 def test_padding_keeps_each_class_at_its_padded_place():
-    from app.data import Volume, class_voxels
+    from app.data import Volume
+    from app.labels import class_voxels
 
     label = np.zeros((4, 6, 6), np.uint8)
     label[1, 1, 1], label[2, 4, 4] = 1, 2
