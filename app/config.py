@@ -17,6 +17,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from app.labels import LabelScheme, label_scheme, name_problems
+
 
 class ConfigError(ValueError):
     """A setting is invalid; the message names the flag or file."""
@@ -227,11 +229,14 @@ class Config:
         return Path(self.output_dir)
 
     @property
+    def labels(self) -> LabelScheme:
+        """The label scheme of ``--num-classes`` and ``--class-names`` (``app.labels``)."""
+        return label_scheme(self.num_classes, self.class_names)
+
+    @property
     def classes(self) -> list[str]:
         """The class names, background first; ``[]`` for the binary task."""
-        if self.num_classes < 2:
-            return []
-        return list(self.class_names) or [f"class{k}" for k in range(self.num_classes)]
+        return self.labels.names
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples): safe for YAML and for ``torch.load(weights_only)``."""
@@ -391,19 +396,8 @@ def validate(cfg: Config) -> None:
     ):
         need(getattr(cfg, name) >= 1, name, "must be at least 1")
     need(cfg.depth >= 2, "depth", "must be at least 2")
-    need(cfg.num_classes >= 1, "num_classes", "must be 1 (binary) or the number of classes K")
-    need(
-        not cfg.class_names or len(cfg.class_names) == cfg.num_classes >= 2,
-        "class_names",
-        f"needs one name per class for --num-classes {cfg.num_classes} (2 or more), "
-        "background first",
-    )
-    need(
-        len(set(cfg.class_names)) == len(cfg.class_names)
-        and all(n and "/" not in n for n in cfg.class_names),
-        "class_names",
-        "must be distinct, non-empty names without '/'",
-    )
+    for name, problem in name_problems(cfg.num_classes, cfg.class_names):
+        need(False, name, problem)
     smallest = 2 ** (cfg.depth - 1)
     need(
         min(cfg.patch_size) >= smallest,
@@ -441,7 +435,7 @@ def validate(cfg: Config) -> None:
         "mmap cannot be combined with --plan auto (the plan reads every volume whole)",
     )
     need(
-        cfg.num_classes == 1 or cfg.data_access == "memory",
+        cfg.labels.lazy_labels or cfg.data_access == "memory",
         "data_access",
         "mmap reads binary labels only; use --data-access memory with --num-classes "
         f"{cfg.num_classes}",

@@ -11,7 +11,7 @@ Policies:
   >= 2``, integer class maps ``0..K-1`` (0 = background), stored as uint8; a value outside
   ``0..K-1`` or a fractional float value is refused, a float map of whole numbers is read with a
   warning, and a foreground class absent from a whole split is warned about
-  (:func:`check_class_label`, :func:`warn_missing_classes`).
+  (``app.labels``: the label scheme reads and checks every label).
 - Normalisation (:class:`Normalization`): per volume (z-score, or clipping to the 0.5-99.5
   percentiles scaled to [0, 1]), or one clip and z-score fitted on the training set (``dataset``).
 - A volume smaller than the training patch is padded, centred, to the patch size: the image with
@@ -34,11 +34,11 @@ from torch.utils.data import Dataset
 
 from app.atomic import os_cause
 from app.augment import Augment
+from app.labels import FOREGROUND_SAMPLES, label_scheme
 from app.volume_io import EXTENSIONS, VolumeError, is_volume_file, read_volume, split_ext
 
 log = logging.getLogger(__name__)
 SPLITS = {"train": "train_patches", "val": "val_patches"}
-FOREGROUND_SAMPLES = 10_000  # candidate centres kept per volume for foreground oversampling
 
 
 class DataError(ValueError):
@@ -79,81 +79,6 @@ class Volume:
 
     def in_memory(self) -> Volume:
         return self
-
-
-def binarize_label(array: np.ndarray, path: Path) -> np.ndarray:
-    if array.dtype == bool:
-        return array.astype(np.uint8)
-    values = np.unique(array)
-    if np.isin(values, (0, 1)).all():
-        return array.astype(np.uint8)
-    if np.isin(values, (0, 255)).all():
-        return (array == 255).astype(np.uint8)
-    raise VolumeError(
-        f"{path}: labels must be binary ({{0, 1}}, {{0, 255}} or bool); found {values.size} "
-        f"values: {_shown(values)}"
-    )
-
-
-def _shown(values: np.ndarray) -> str:
-    return ", ".join(f"{v:g}" for v in values[:8]) + (", ..." if values.size > 8 else "")
-
-
-def check_class_label(array: np.ndarray, path: Path, num_classes: int) -> np.ndarray:
-    """A class map of ``--num-classes K``: integers ``0..K-1``, returned as uint8. A float map
-    with a fractional value (an interpolated or probability map) is refused; one whose values
-    are all whole numbers (some tools save label maps as float32) is read, with a warning."""
-    values = np.unique(array)
-    fractional = array.dtype.kind == "f" and not np.array_equal(values, np.round(values))
-    if array.dtype.kind not in "biuf" or fractional:
-        raise VolumeError(
-            f"{path}: labels for --num-classes {num_classes} must be an integer class map "
-            f"0..{num_classes - 1}, got dtype {array.dtype} with {values.size} values: "
-            f"{_shown(values)}"
-        )
-    outside = values[(values < 0) | (values >= num_classes)]
-    if outside.size:
-        raise VolumeError(
-            f"{path}: label values outside 0..{num_classes - 1} (--num-classes {num_classes}): "
-            f"{_shown(outside)}; all values found: {_shown(values)}"
-        )
-    if array.dtype.kind == "f":
-        log.warning(
-            "%s: a %s label map; its values %s are whole numbers, read as classes",
-            path,
-            array.dtype,
-            _shown(values),
-        )
-    return array.astype(np.uint8)
-
-
-def warn_missing_classes(volumes: list[Volume], folder: Path, num_classes: int) -> None:
-    """Warn when a foreground class occurs in no label of a split: it cannot be learned (train)
-    or scored (val) there."""
-    present = set()
-    for vol in volumes:
-        present.update(np.unique(vol.label).tolist())
-    missing = [c for c in range(1, num_classes) if c not in present]
-    if missing:
-        log.warning(
-            "%s: no label holds class(es) %s of --num-classes %d; values found: %s",
-            folder,
-            missing,
-            num_classes,
-            sorted(present),
-        )
-
-
-def class_voxels(label: np.ndarray, num_classes: int, rng: np.random.Generator) -> list:
-    """Flat indices of up to ``FOREGROUND_SAMPLES`` voxels of each foreground class: the centres
-    that foreground oversampling draws from, class by class."""
-    out = []
-    for c in range(1, num_classes):
-        voxels = np.flatnonzero(label == c)
-        if voxels.size > FOREGROUND_SAMPLES:
-            voxels = rng.choice(voxels, FOREGROUND_SAMPLES, replace=False)
-        out.append(voxels)
-    return out
 
 
 def check_finite(array: np.ndarray, path: Path) -> None:
@@ -304,15 +229,8 @@ def load_volume_pair(
             f"{image_path}: shape {image.shape} differs from its label "
             f"{label_path} with shape {label.shape}"
         )
-    if num_classes >= 2:
-        label = check_class_label(label, label_path, num_classes)
-        voxels = class_voxels(label, num_classes, rng)
-        return Volume(name, normalization(image), label, image_path, np.concatenate(voxels), voxels)
-    label = binarize_label(label, label_path)
-    foreground = np.flatnonzero(label)
-    if foreground.size > FOREGROUND_SAMPLES:
-        foreground = rng.choice(foreground, FOREGROUND_SAMPLES, replace=False)
-    return Volume(name, normalization(image), label, image_path, foreground)
+    label, foreground, voxels = label_scheme(num_classes).read_label(label, label_path, rng)
+    return Volume(name, normalization(image), label, image_path, foreground, voxels)
 
 
 def load_split(
@@ -340,8 +258,8 @@ def load_split(
             problems.append(str(exc))
     if problems:
         raise DataError("\n".join(problems))
-    if num_classes >= 2:
-        warn_missing_classes(volumes, root / SPLITS[split] / "labels", num_classes)
+    scheme = label_scheme(num_classes)
+    scheme.check_split([vol.label for vol in volumes], root / SPLITS[split] / "labels")
     return volumes
 
 

@@ -66,8 +66,16 @@ from scipy import ndimage
 
 from app import grains
 from app.atomic import atomic_write_bytes
-from app.data import binarize_label, check_class_label, check_finite
-from app.predict import HelpFormatter
+from app.cli import HelpFormatter
+from app.data import check_finite
+from app.labels import (
+    LabelScheme,
+    binarize_label,
+    check_class_label,
+    label_scheme,
+    name_problems,
+    scheme_of_names,
+)
 from app.volume_io import (
     EXTENSIONS,
     VolumeError,
@@ -179,6 +187,7 @@ def index_folder(folder: Path, flag: str) -> dict[str, Path]:
 def pair_files(pred_dir: Path, labels_dir: Path, classes: list[str] = ()) -> list[Pair]:
     """Pairs by name (see the module docstring); every problem is reported at once. With
     ``classes`` (K >= 2) a label map is required and the per-class probabilities are skipped."""
+    scheme = scheme_of_names(classes)
     preds, labels = index_folder(pred_dir, "--pred"), index_folder(labels_dir, "--labels")
     pairs, used, problems = [], set(), []
     for name, label in labels.items():
@@ -189,16 +198,15 @@ def pair_files(pred_dir: Path, labels_dir: Path, classes: list[str] = ()) -> lis
                 f"{preds[masks[1]]}; keep one"
             )
             continue
-        chosen = masks[0] if masks else f"{name}_probs" if f"{name}_probs" in preds else None
-        if classes:  # a label map; its per-class probabilities (any names) are no extra
-            chosen = masks[0] if masks else None
-            used.update(n for n in preds if n.startswith(f"{name}_probs_"))
+        # binary: the probabilities stand in for a missing mask; K >= 2: a label map is needed,
+        # and its per-class probabilities (any names) are no extra
+        fallback, options, extra = scheme.choose(
+            binary=(f"{name}_probs", f"{name}_mask.*, {name}.* or {name}_probs.*", ()),
+            classes=(None, f"{name}_mask.* or {name}.*", f"{name}_probs_"),
+        )
+        chosen = masks[0] if masks else fallback if fallback in preds else None
+        used.update(n for n in preds if extra and n.startswith(extra))
         if chosen is None:
-            options = (
-                f"{name}_mask.* or {name}.*"
-                if classes
-                else (f"{name}_mask.*, {name}.* or {name}_probs.*")
-            )
             problems.append(f"{label}: no prediction {options} in {pred_dir}")
             continue
         used.update({chosen, f"{name}_probs"})  # the probabilities next to a mask are no extra
@@ -511,8 +519,11 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.out.suffix.lower() != ".json":
         raise EvaluateError(f"--out {args.out}: must end with .json (the CSV takes its stem)")
-    if args.num_classes >= 2 or args.class_names:
-        return run_classes(args)
+    return labels_of(args).choose(binary=run_masks, classes=run_classes)(args)
+
+
+def run_masks(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`run` for binary masks: overlap, HD95 and, unless ``--no-grains``, grains."""
     pairs = pair_files(args.pred, args.labels)
     grain_params, truth = None, None
     if not args.no_grains:
@@ -547,19 +558,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
-def class_names(args: argparse.Namespace) -> list[str]:
+def labels_of(args: argparse.Namespace) -> LabelScheme:
+    """Label maps with ``--num-classes K >= 2`` or ``--class-names`` (which then must name K
+    distinct classes, background first), else binary masks."""
     k, names = args.num_classes, list(args.class_names)
-    if k < 2 or (names and len(names) != k) or len(set(names)) != len(names):
+    if any(field == "class_names" for field, _ in name_problems(max(k, 1), names)):
         raise EvaluateError(
             f"--num-classes {k} --class-names {' '.join(names) or '(none)'}: label maps need "
             "K >= 2 and, when named, K distinct names, background first"
         )
-    return names or [f"class{c}" for c in range(k)]
+    return label_scheme(k, names)
 
 
 def run_classes(args: argparse.Namespace) -> dict[str, Any]:
     """:func:`run` for label maps: per-class figures, no HD95 or grains."""
-    classes = class_names(args)
+    classes = labels_of(args).names
     rows, problems = [], []
     for pair in pair_files(args.pred, args.labels, classes):
         try:

@@ -47,6 +47,9 @@ from skimage.measure import regionprops_table
 from skimage.segmentation import relabel_sequential, watershed
 
 from app.atomic import atomic_write_bytes
+from app.cli import HelpFormatter
+from app.figures import figure_png, psd_figure
+from app.masks import FACE
 from app.volume_io import (
     EXTENSIONS,
     VolumeError,
@@ -57,7 +60,6 @@ from app.volume_io import (
 )
 
 QUANTILES = (10, 50, 90)
-FACE = 1  # connectivity: grains touching only along an edge or a corner are two grains
 
 
 class GrainError(ValueError):
@@ -206,18 +208,6 @@ def split_grains(
         seeds = np.where(unseeded, extra + seeds.max(), seeds)
     instances = watershed(-distance, seeds, mask=mask, connectivity=FACE)
     return drop_small(instances, params.min_size).astype(np.int32)
-
-
-def clean_mask(mask: np.ndarray, min_object_size: int = 0, fill_holes: bool = False) -> np.ndarray:
-    """The mask without connected objects under ``min_object_size`` voxels (face
-    connectivity), and with its enclosed cavities filled when ``fill_holes``."""
-    mask = np.asarray(mask, dtype=bool)
-    if min_object_size > 1:
-        objects = label_components(mask, connectivity=FACE)
-        mask = (np.bincount(objects.ravel()) >= min_object_size)[objects] & mask
-    if fill_holes:
-        mask = ndimage.binary_fill_holes(mask)
-    return mask
 
 
 def true_instances(
@@ -400,47 +390,6 @@ def distribution_error(pred_diameters: np.ndarray, true_diameters: np.ndarray) -
     return out
 
 
-# ----------------------------------------------------------------------------- the picture
-def psd_figure(series: dict[str, np.ndarray], unit: str, title: str):
-    """Histogram (by number) and cumulative % passing (by volume) of each set of diameters."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 4), dpi=100)
-    fig.suptitle(title, fontsize=10)
-    hist_ax, cum_ax = fig.subplots(1, 2)
-    nonempty = [d for d in series.values() if len(d)]
-    top = max((float(np.max(d)) for d in nonempty), default=1.0)
-    bins = np.linspace(0, top * 1.02, 31)
-    for name, diameters in series.items():
-        diameters = np.sort(np.asarray(diameters, dtype=np.float64))
-        label = f"{name} ({diameters.size} grains)"
-        hist_ax.hist(diameters, bins=bins, histtype="step", lw=1.5, label=label)
-        if diameters.size:
-            passing = 100 * np.cumsum(diameters**3) / np.sum(diameters**3)
-            cum_ax.step(diameters, passing, where="post", lw=1.5, label=name)
-    hist_ax.set(xlabel=f"equivalent diameter ({unit})", ylabel="grains", title="by number")
-    cum_ax.set(
-        xlabel=f"equivalent diameter ({unit})",
-        ylabel="% of grain volume finer",
-        title="cumulative, by volume (% passing)",
-        ylim=(0, 100),
-    )
-    for ax in (hist_ax, cum_ax):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.title.set_fontsize(9)
-    fig.tight_layout()
-    return fig
-
-
-def figure_png(fig) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    buffer = io.BytesIO()
-    FigureCanvasAgg(fig).print_png(buffer)
-    return buffer.getvalue()
-
-
 def table_csv(table: dict[str, np.ndarray]) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
@@ -488,8 +437,6 @@ def list_masks(source: Path) -> list[tuple[str, Path]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from app.predict import HelpFormatter
-
     parser = argparse.ArgumentParser(
         prog="python -m app.grains",
         description="""\

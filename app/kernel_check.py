@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import Config
-from app.losses import build_loss
+from app.labels import build_loss
 from app.model import build_model
 
 TOLERANCE = 0.05  # relative error of one kernel's result against float32 from the same inputs

@@ -29,7 +29,6 @@ import numpy as np
 
 from app.atomic import atomic_write, atomic_write_bytes, os_cause
 from app.data import (
-    FOREGROUND_SAMPLES,
     SPLITS,
     DataError,
     Normalization,
@@ -37,6 +36,7 @@ from app.data import (
     load_split,
     pair_files,
 )
+from app.labels import FOREGROUND_SAMPLES
 from app.volume_io import VolumeError, split_ext, zarr_array
 
 BLOCK = (8, 16, 16)  # voxels per cell of the coarse foreground index

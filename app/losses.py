@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app import precision
+from app import fp32_ops
 
 
 class BCEDiceLoss(nn.Module):
@@ -26,7 +26,7 @@ class BCEDiceLoss(nn.Module):
     averaged over every voxel of the batch; the Dice term is computed per sample and averaged
     over the batch, so a sample without foreground still pushes its probabilities to 0. The
     smoothing term keeps the Dice defined (and equal to 1) when prediction and target are empty.
-    Both terms are computed from float32 logits through the fp32 sigmoid of ``app.precision``.
+    Both terms are computed from float32 logits through the fp32 sigmoid of ``app.fp32_ops``.
     """
 
     def __init__(self, bce_weight: float = 1.0, dice_weight: float = 1.0, smooth: float = 1.0):
@@ -37,7 +37,7 @@ class BCEDiceLoss(nn.Module):
         with torch.autocast(logits.device.type, enabled=False):
             logits, target = logits.float(), target.float()
             bce = F.binary_cross_entropy_with_logits(logits, target)
-            probs = precision.sigmoid(logits).flatten(1)
+            probs = fp32_ops.sigmoid(logits).flatten(1)
             target = target.flatten(1)
             intersection = (probs * target).sum(1)
             dice = (2 * intersection + self.smooth) / (probs.sum(1) + target.sum(1) + self.smooth)
@@ -63,7 +63,7 @@ class CEDiceLoss(nn.Module):
     stable); the Dice is computed per sample and per foreground class :math:`c = 1 \dots K-1`
     and averaged over both, as nnU-Net leaves the background out of its Dice: background is most
     of a CT volume and its near-perfect Dice would dilute the classes that matter. The softmax
-    is the fp32 one of ``app.precision``; both terms are computed in float32.
+    is the fp32 one of ``app.fp32_ops``; both terms are computed in float32.
     ``target`` is ``(B, 1, D, H, W)`` holding class indices (any dtype), as the patches carry it.
     """
 
@@ -85,18 +85,10 @@ class CEDiceLoss(nn.Module):
             logits = logits.float()
             classes = target[:, 0].long()
             ce = F.cross_entropy(logits, classes)
-            probs = precision.softmax(logits, dim=1)[:, 1:].flatten(2)  # (B, K-1, N)
+            probs = fp32_ops.softmax(logits, dim=1)[:, 1:].flatten(2)  # (B, K-1, N)
             onehot = F.one_hot(classes.flatten(1), self.num_classes)[..., 1:]
             onehot = onehot.transpose(1, 2).float()
             intersection = (probs * onehot).sum(2)
             denominator = probs.sum(2) + onehot.sum(2) + self.smooth
             dice = (2 * intersection + self.smooth) / denominator
             return self.ce_weight * ce + self.dice_weight * (1 - dice.mean())
-
-
-def build_loss(cfg) -> nn.Module:
-    """BCE + Dice for the binary task (``--num-classes 1``), CE + Dice over K classes otherwise;
-    ``--bce-weight`` weighs the BCE or the CE term."""
-    if cfg.num_classes < 2:
-        return BCEDiceLoss(cfg.bce_weight, cfg.dice_weight)
-    return CEDiceLoss(cfg.num_classes, cfg.bce_weight, cfg.dice_weight)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from app import precision
+from app import fp32_ops
 
 
 def confusion_counts(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``[TP, FP, FN]`` as float64 (exact for any realistic voxel count)."""
-    pred = precision.sigmoid(logits) > 0.5
+    pred = fp32_ops.sigmoid(logits) > 0.5
     truth = target > 0.5
     tp = (pred & truth).sum()
     fp = (pred & ~truth).sum()
@@ -41,18 +41,10 @@ def class_counts(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``(K-1, 3)`` ``[TP, FP, FN]`` of each foreground class ``1..K-1`` for K-channel
     ``logits`` (a voxel's class is the argmax of its float32 softmax) and a class-map ``target``
     of shape ``(B, 1, ...)``; float64, as :func:`confusion_counts`."""
-    pred = precision.softmax(logits, dim=1).argmax(1)
+    pred = fp32_ops.softmax(logits, dim=1).argmax(1)
     truth = target[:, 0].long()
     rows = []
     for c in range(1, logits.shape[1]):
         p, t = pred == c, truth == c
         rows.append(torch.stack([(p & t).sum(), (p & ~t).sum(), (~p & t).sum()]))
     return torch.stack(rows).double()
-
-
-def counts_for(num_classes: int):
-    """The counting function of the task: ``(logits, target) -> (F, 3)`` counts, F = 1 for the
-    binary task, K-1 foreground classes otherwise."""
-    if num_classes < 2:
-        return lambda logits, target: confusion_counts(logits, target)[None]
-    return class_counts

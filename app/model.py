@@ -223,7 +223,9 @@ def resolve_memory_format(setting: str, device: torch.device) -> str:
 
 def build_model(cfg, device: torch.device) -> UNet3d:
     """The configured UNet3d on ``device``, in the configured memory format."""
-    model = UNet3d(1, cfg.num_classes, cfg.f_maps, cfg.depth, cfg.norm, cfg.block).to(device)
+    model = UNet3d(1, cfg.labels.head_channels, cfg.f_maps, cfg.depth, cfg.norm, cfg.block).to(
+        device
+    )
     if resolve_memory_format(cfg.memory_format, device) == "channels_last":
         use_channels_last(model)
     return model

@@ -39,6 +39,7 @@ from app.data import (
     pair_files,
 )
 from app.floor import best_band
+from app.labels import label_scheme, name_problems
 from app.volume_io import VolumeError, volume_header
 
 log = logging.getLogger("app.plan")
@@ -345,7 +346,7 @@ def data_fingerprint(root: Path | str, num_classes: int = 1) -> DataFingerprint:
     root = Path(root)
     train = load_split(root, "train", "raw", num_classes=num_classes)
     images = [vol.image for vol in train]
-    labels = [vol.label > 0 if num_classes >= 2 else vol.label for vol in train]
+    labels = [label_scheme(num_classes).foreground(vol.label) for vol in train]
     headers = [volume_header(vol.image_path) for vol in train]
     spacings = [spacing for _, spacing in headers if spacing is not None]
     val_shapes = [volume_header(image)[0] for _, image, _ in pair_files(root / SPLITS["val"])]
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="write the plan here (default: print it)")
     args = parser.parse_args(argv)
-    if args.budget_s <= 0 or args.nproc < 1 or args.num_classes < 1:
+    if args.budget_s <= 0 or args.nproc < 1 or name_problems(args.num_classes, ()):
         print(
             "error: --budget-s must be positive, and --nproc and --num-classes at least 1",
             file=sys.stderr,
@@ -471,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {hardware.step_s:.3f} s/step at {'x'.join(map(str, REFERENCE_PATCH))} "
         f"({hardware.name})\n"
         f"use: python -m app.train --config THIS_FILE --data-root {args.data_root}"
-        + (f" --num-classes {args.num_classes}" if args.num_classes >= 2 else "")
+        + label_scheme(args.num_classes).train_flags
     )
     text = plan.to_yaml(header)
     if args.out:

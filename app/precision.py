@@ -14,10 +14,10 @@ O2         not offered: a clear error                    fp16 model, fp32 BN and
 O3         pure half model, no scaling (speed baseline)  pure fp16
 =========  ============================================  =========================================
 
-The fp32 op registry (``--fp32-ops``, default sigmoid and softmax): with apex each op is
-registered with ``amp.register_float_function`` before ``amp.initialize``; natively the loss,
-metrics and prediction call them through :func:`sigmoid` / :func:`softmax`, which leave autocast
-and compute in float32.
+The fp32 op registry (``--fp32-ops``, default sigmoid and softmax, ``app.fp32_ops``): with apex
+each op is registered with ``amp.register_float_function`` before ``amp.initialize``; natively
+the loss, metrics and prediction call them through ``sigmoid`` / ``softmax``, which leave
+autocast and compute in float32.
 
 Non-finite steps: ``step()`` returns a flag on the device, 1 when the step's gradients held NaN
 or Inf and the step was skipped (:class:`NonFiniteGuard`), so such a step never reaches the
@@ -34,37 +34,21 @@ from typing import Any
 
 import torch
 
+from app import fp32_ops
 from app.config import Config, ConfigError
+from app.fp32_ops import call_op, sigmoid, softmax  # noqa: F401  (the registry's ops, here too)
 
 FP16_MIN_EPS = 1e-4  # smallest optimizer eps that stays well inside float16's normal range
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-_fp32_ops: frozenset[str] = frozenset({"sigmoid", "softmax"})
 
 
 # ----------------------------------------------------------------------------- fp32 op registry
 def configure_fp32_ops(names: list[str]) -> None:
-    unknown = [n for n in names if not callable(getattr(torch, n, None))]
-    if unknown:
-        raise ConfigError(f"--fp32-ops: {unknown} are not torch functions (e.g. sigmoid softmax)")
-    global _fp32_ops
-    _fp32_ops = frozenset(names)
-
-
-def call_op(name: str, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """``torch.<name>(x, ...)``, in float32 outside autocast when ``name`` is registered."""
-    fn = getattr(torch, name)
-    if name not in _fp32_ops:
-        return fn(x, *args, **kwargs)
-    with torch.autocast(x.device.type, enabled=False):
-        return fn(x.float(), *args, **kwargs)
-
-
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    return call_op("sigmoid", x)
-
-
-def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return call_op("softmax", x, dim=dim)
+    """``app.fp32_ops.configure_fp32_ops``, its error a configuration error."""
+    try:
+        fp32_ops.configure_fp32_ops(names)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 # ----------------------------------------------------------------------------- non-finite steps

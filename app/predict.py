@@ -24,7 +24,7 @@ Policies
   below are for binary masks and are refused.
 - Post-processing of the mask, off by default (it did not measure better on the demo data, see
   the README): ``--min-object-size N`` removes connected objects under N voxels,
-  ``--fill-holes`` fills cavities enclosed in 3D (:func:`app.grains.clean_mask`). The
+  ``--fill-holes`` fills cavities enclosed in 3D (:func:`app.masks.clean_mask`). The
   probabilities are written as predicted.
 - Safety: the checkpoint, the inputs and the output folder (writable, and none of the outputs
   already there unless ``--overwrite``) are checked before anything is predicted. Each file is
@@ -54,15 +54,15 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from app import precision as amp
 from app.atomic import probe_writable
 from app.checkpoint import CheckpointError, load_checkpoint
+from app.cli import HelpFormatter
 from app.config import FIELDS, Config, ConfigError
 from app.data import Normalization, check_finite
 from app.distributed import barrier, distributed_session, gather_object, reduce_tensor
 from app.ema import inference_weights
-from app.grains import clean_mask
 from app.inference import predict_logits
+from app.labels import BINARY, LabelError, LabelScheme
 from app.model import build_model
 from app.precision import Precision, build_precision
 from app.validation import shard
@@ -77,7 +77,6 @@ from app.volume_io import (
 
 log = logging.getLogger("app.predict")
 SAVE_KINDS = {"probs": ("probs",), "mask": ("mask",), "both": ("probs", "mask")}
-THRESHOLD = 0.5  # on the fp32 sigmoid, as in app.metrics.confusion_counts
 
 
 class PredictError(ValueError):
@@ -140,10 +139,7 @@ class Predictor:
     def probabilities(self, image: np.ndarray) -> np.ndarray:
         """Float32 ``(D, H, W)`` probabilities of a normalised image (fp32 sigmoid); with
         ``--num-classes K >= 2``, ``(K, D, H, W)`` (fp32 softmax over the classes)."""
-        logits = self.logits(image)
-        if self.cfg.num_classes >= 2:
-            return amp.softmax(logits, dim=1)[0].cpu().numpy()
-        return amp.sigmoid(logits)[0, 0].cpu().numpy()
+        return self.cfg.labels.probabilities(self.logits(image)).cpu().numpy()
 
     def describe(self) -> str:
         return (
@@ -258,16 +254,12 @@ def list_inputs(source: Path) -> list[Path]:
     raise PredictError(f"--input {source}: no such file or folder")
 
 
-def output_kinds(save: str, classes: list[str]) -> tuple[str, ...]:
+def output_kinds(save: str, labels: LabelScheme) -> tuple[str, ...]:
     """The outputs of ``--save``: with K >= 2 classes, one probability map per class."""
-    kinds = SAVE_KINDS[save]
-    if not classes:
-        return kinds
-    probs = tuple(f"probs_{name}" for name in classes) if "probs" in kinds else ()
-    return probs + tuple(k for k in kinds if k != "probs")
+    return labels.output_kinds(SAVE_KINDS[save])
 
 
-def plan(inputs: list[Path], output: Path, save: str, classes: list[str] = ()) -> list[Job]:
+def plan(inputs: list[Path], output: Path, save: str, labels: LabelScheme = BINARY) -> list[Job]:
     jobs, seen = [], {}
     for path in inputs:
         name, ext = split_ext(path)
@@ -277,7 +269,7 @@ def plan(inputs: list[Path], output: Path, save: str, classes: list[str] = ()) -
                 "their outputs and evaluation would be ambiguous"
             )
         seen[name] = path
-        kinds = output_kinds(save, list(classes))
+        kinds = output_kinds(save, labels)
         jobs.append(Job(name, path, {k: output / f"{name}_{k}{ext}" for k in kinds}))
     return jobs
 
@@ -310,14 +302,10 @@ def write_outputs(
     overwrite: bool,
     min_object_size: int = 0,
     fill_holes=False,
-    classes: list[str] = (),
+    labels: LabelScheme = BINARY,
 ) -> None:
-    if classes:  # (K, D, H, W) softmax: the label map, and each class's probabilities
-        arrays = {"mask": probs.argmax(0).astype(np.uint8)}
-        arrays.update({f"probs_{name}": p for name, p in zip(classes, probs)})
-    else:
-        mask = clean_mask(probs > THRESHOLD, min_object_size, fill_holes)
-        arrays = {"probs": probs.astype(np.float32, copy=False), "mask": mask.astype(np.uint8)}
+    # K >= 2: (K, D, H, W) softmax -> the label map, and each class's probabilities
+    arrays = labels.output_arrays(probs, min_object_size, fill_holes)
     for kind, path in job.outputs.items():
         if not overwrite and path.exists():  # appeared since the check: never replace it
             raise PredictError(f"{path}: appeared while predicting; not replaced (use --overwrite)")
@@ -325,16 +313,6 @@ def write_outputs(
 
 
 # ----------------------------------------------------------------------------- the command
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the epilog's line breaks; shows a default only where there is one to show."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
-
-
 DESCRIPTION = """\
 Segment whole volumes with a trained checkpoint, exactly as the trainer validates:
 its normalisation, Gaussian-blended sliding windows of its patch size, its mixed
@@ -470,14 +448,14 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
         raise PredictError(f"--min-object-size must be 0 or more, got {args.min_object_size}")
     state = load_checkpoint(args.checkpoint)
     trained = checkpoint_config(state, args.checkpoint)
-    if trained.classes and (args.min_object_size or args.fill_holes):
-        raise PredictError(
-            f"--min-object-size and --fill-holes clean binary masks; {args.checkpoint} "
-            f"predicts {trained.num_classes} classes (--num-classes {trained.num_classes})"
-        )
+    try:
+        cleaning = bool(args.min_object_size or args.fill_holes)
+        trained.labels.check_mask_cleaning(cleaning, args.checkpoint)
+    except LabelError as exc:
+        raise PredictError(str(exc)) from exc
     if args.window is not None:
         check_window(args.window, trained.depth)
-    jobs = plan(list_inputs(args.input), args.output, args.save, trained.classes)
+    jobs = plan(list_inputs(args.input), args.output, args.save, trained.labels)
     check_output(args.output, args.input, jobs, args.overwrite)
 
     cfg = dataclasses.replace(trained, device=args.device, local_rank=args.local_rank)
@@ -535,7 +513,7 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
                 args.overwrite,
                 args.min_object_size,
                 args.fill_holes,
-                cfg.classes,
+                cfg.labels,
             )
             done.append(job.name)
             voxels += raw.size

@@ -20,16 +20,13 @@ For a ``--num-classes K >= 2`` run the montages colour each foreground class (it
 filled, its ground truth outlined, in the same colour), the Dice is the mean over the foreground
 classes, and the grain pictures are left out (they are of binary masks).
 
-:func:`montage_figure` also draws the montage TensorBoard shows at each validation
-(``app.tracking``). Figures are drawn with matplotlib's Agg canvas (no display needed) and
-written atomically.
+The figures are drawn by ``app.figures`` (which also draws the montage TensorBoard shows at
+each validation) and written atomically.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,220 +37,18 @@ import yaml
 from app import grains
 from app.atomic import atomic_write_bytes
 from app.checkpoint import CheckpointError
+from app.cli import HelpFormatter
 from app.config import ConfigError
 from app.data import SPLITS, DataError, load_volume_pair, pair_files
-from app.metrics import counts_for, dice_iou
-from app.precision import sigmoid, softmax
-from app.predict import HelpFormatter, load_predictor
+from app.figures import curves_figure, figure_png, montage_figure, png_bytes, psd_figure
+from app.metrics import dice_iou
+from app.predict import load_predictor
 from app.tracking import read_metrics
-from app.validation import pick_slices
 from app.volume_io import VolumeError, read_volume, voxel_spacing
-
-GROUND_TRUTH_COLOUR = "#00d0ff"  # cyan and orange: apart for the common colour blindnesses
-PREDICTION_COLOUR = "#ff8c00"
-# --num-classes K >= 2: foreground class c in CLASS_COLOURS[c - 1] (Okabe-Ito, cycled)
-CLASS_COLOURS = ("#e69f00", "#56b4e9", "#009e73", "#f0e442", "#cc79a7", "#d55e00", "#0072b2")
-CLASS_ALPHA = 0.4
-GRAIN_ALPHA = 0.45
-PANEL_INCHES = 2.4
-DPI = 100
 
 
 class ReportError(ValueError):
     """The run directory is unusable; the message names the file."""
-
-
-# ----------------------------------------------------------------------------- drawing
-def _canvas(fig) -> np.ndarray:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
-
-
-def _png(fig) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    buffer = io.BytesIO()
-    FigureCanvasAgg(fig).print_png(buffer)
-    return buffer.getvalue()
-
-
-def grain_colours(instances: np.ndarray) -> np.ndarray:
-    """RGBA ``(..., 4)`` float image: each grain id a random bright colour, background clear."""
-    palette = np.random.default_rng(0).uniform(0.2, 1.0, (int(instances.max()) + 1, 4))
-    palette[:, 3] = GRAIN_ALPHA
-    palette[0] = 0.0
-    return palette[instances]
-
-
-def class_colour(c: int) -> str:
-    return CLASS_COLOURS[(c - 1) % len(CLASS_COLOURS)]
-
-
-def class_fill(classes: np.ndarray, k: int) -> np.ndarray:
-    """RGBA ``(..., 4)`` float image of a class map: class c in its colour, background clear."""
-    from matplotlib.colors import to_rgba
-
-    palette = np.array([(0.0, 0.0, 0.0, 0.0)] + [to_rgba(class_colour(c)) for c in range(1, k)])
-    palette[1:, 3] = CLASS_ALPHA
-    return palette[np.clip(classes, 0, k - 1)]
-
-
-def montage_figure(
-    image: np.ndarray,
-    label: np.ndarray,
-    prediction: np.ndarray,
-    title: str,
-    n_slices: int = 8,
-    z_labels: list[int] | None = None,
-    instances: np.ndarray | None = None,
-    classes: list[str] | None = None,
-) -> np.ndarray:
-    """RGB ``(H, W, 3)`` uint8 montage of up to ``n_slices`` z-slices of ``(D, H, W)`` arrays.
-
-    Slices are evenly spaced through the z-range holding foreground (label or prediction);
-    ``z_labels`` names the slices of a stack that is itself a subset of a volume (the
-    TensorBoard sample); otherwise a slice is named by its index. With ``instances`` (the
-    prediction's grains) the grains are filled, one colour each, instead of the prediction's
-    outline. With ``classes`` (K >= 2 names, background first) ``label`` and ``prediction`` are
-    class maps: each foreground class has its own colour, its prediction filled and its ground
-    truth outlined in it.
-    """
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-
-    image, label, prediction = (np.asarray(a) for a in (image, label, prediction))
-    if image.ndim != 3 or image.shape != label.shape or image.shape != prediction.shape:
-        raise ValueError(
-            f"montage_figure needs three (D, H, W) arrays of one shape, got "
-            f"{image.shape}, {label.shape}, {prediction.shape}"
-        )
-    class_label, class_prediction = label, prediction
-    label, prediction = label > 0.5, prediction > 0.5
-    picks = pick_slices(label, prediction, max(1, n_slices))
-    names = z_labels if z_labels is not None else list(range(image.shape[0]))
-    low, high = np.percentile(image[picks], (0.5, 99.5))
-
-    cols = min(len(picks), 4)
-    rows = math.ceil(len(picks) / cols)
-    height, width = image.shape[1:]
-    panel_w = PANEL_INCHES
-    panel_h = PANEL_INCHES * min(max(height / width, 0.25), 4.0)
-    gap, caption, top, bottom = 0.08, 0.25, 0.45, 0.35  # inches
-    fig_w = cols * (panel_w + gap) + gap
-    fig_h = top + rows * (panel_h + caption) + bottom
-    fig = Figure(figsize=(fig_w, fig_h), dpi=DPI)
-    fig.suptitle(title, fontsize=10, y=1 - 0.12 / fig_h, va="top")
-    for i, z in enumerate(picks):
-        row, col = divmod(i, cols)
-        left = gap + col * (panel_w + gap)
-        lower = fig_h - top - caption - row * (panel_h + caption) - panel_h
-        ax = fig.add_axes((left / fig_w, lower / fig_h, panel_w / fig_w, panel_h / fig_h))
-        ax.imshow(
-            image[z],
-            cmap="gray",
-            vmin=low,
-            vmax=high if high > low else low + 1,
-            interpolation="nearest",
-            aspect="auto",
-        )
-        outlines = [(label[z], GROUND_TRUTH_COLOUR)]
-        if classes:
-            fill = class_fill(class_prediction[z], len(classes))
-            ax.imshow(fill, interpolation="nearest", aspect="auto")
-            outlines = [(class_label[z] == c, class_colour(c)) for c in range(1, len(classes))]
-        elif instances is None:
-            outlines.append((prediction[z], PREDICTION_COLOUR))
-        else:
-            ax.imshow(grain_colours(instances[z]), interpolation="nearest", aspect="auto")
-        for mask, colour in outlines:
-            if mask.any() and not mask.all():  # a contour needs both sides of the level
-                ax.contour(mask.astype(np.float32), levels=[0.5], colors=[colour], linewidths=1.2)
-        ax.set_title(f"z = {names[z]}", fontsize=8, pad=3)
-        ax.set_axis_off()
-    handles = [
-        Line2D([], [], color=GROUND_TRUTH_COLOUR, lw=2, label="ground truth"),
-        Line2D([], [], color=PREDICTION_COLOUR, lw=2, label="prediction")
-        if instances is None
-        else Line2D([], [], color="#b0b0b0", lw=6, alpha=0.8, label="predicted grains"),
-    ]
-    if classes:
-        handles = [
-            Line2D([], [], color=class_colour(c), lw=2, label=f"{name}: truth (line)")
-            for c, name in enumerate(classes[1:], start=1)
-        ] + [Line2D([], [], color="#b0b0b0", lw=6, alpha=0.8, label="prediction (fill)")]
-    fig.legend(
-        handles=handles,
-        loc="lower center",
-        ncol=len(handles) if classes else 2,
-        fontsize=8,
-        frameon=False,
-        bbox_to_anchor=(0.5, 0.02 / fig_h),
-    )
-    return _canvas(fig)
-
-
-def curves_figure(records: list[dict[str, Any]], title: str):
-    """A 2x2 matplotlib Figure of the training curves of ``metrics.jsonl`` records."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    def series(key: str) -> tuple[list[int], list[float]]:
-        points = [(r["epoch"], r[key]) for r in records if r.get(key) is not None]
-        return [p[0] for p in points], [p[1] for p in points]
-
-    fig = Figure(figsize=(10, 7), dpi=DPI)
-    fig.suptitle(title)
-    axes = fig.subplots(2, 2)
-    panels = [
-        (axes[0, 0], "loss (BCE + Dice)", [("train_loss", "train", "-"), ("val_loss", "val", "-")]),
-        (
-            axes[0, 1],
-            "validation",
-            [
-                ("dice", "Dice", "-"),
-                ("iou", "IoU", "-"),
-                ("dice_per_volume_mean", "Dice, per-volume mean", "--"),
-            ],
-        ),
-        (axes[1, 0], "learning rate", [("lr", "lr", "-")]),
-        (
-            axes[1, 1],
-            "throughput (samples/s, all processes)",
-            [("samples_per_s", "samples/s", "-")],
-        ),
-    ]
-    for ax, name, lines in panels:
-        for key, label, style in lines:
-            x, y = series(key)
-            if x:
-                ax.plot(x, y, style, marker="o", markersize=3, label=label)
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        if ax.lines and len(lines) > 1:
-            ax.legend(fontsize=8)
-    x, y = series("lr")
-    if y and min(y) > 0 and max(y) > min(y):
-        axes[1, 0].set_yscale("log")
-    x, y = series("dice")
-    if x:
-        best = int(np.argmax(y))
-        axes[0, 1].axvline(x[best], color="grey", ls=":", lw=1)
-        axes[0, 1].annotate(
-            f"best {y[best]:.3f} @ {x[best]}",
-            (x[best], y[best]),
-            textcoords="offset points",
-            xytext=(-4, -12),
-            ha="right",
-            fontsize=8,
-        )
-        axes[0, 1].set_ylim(0, 1)
-    fig.tight_layout()
-    return fig
 
 
 # ----------------------------------------------------------------------------- the run
@@ -285,7 +80,7 @@ def write_curves(run_dir: Path, out_dir: Path) -> Path:
             f"{metrics}: no epochs recorded; is {run_dir} a run directory of app.train?"
         )
     path = out_dir / "curves.png"
-    atomic_write_bytes(path, _png(curves_figure(records, f"{run_dir.name}: training curves")))
+    atomic_write_bytes(path, figure_png(curves_figure(records, f"{run_dir.name}: training curves")))
     return path
 
 
@@ -304,9 +99,9 @@ def write_montages(
     import torch
 
     predictor = load_predictor(checkpoint, _device(device))
-    classes = predictor.cfg.classes  # K >= 2: class colours, and no grain figures
-    grain_params = None if classes else grain_params
-    count = counts_for(predictor.cfg.num_classes)
+    labels = predictor.cfg.labels
+    classes = labels.names  # K >= 2: class colours, and no grain figures
+    grain_params = labels.choose(binary=grain_params, classes=None)
     root = Path(data_root or run_config(run_dir).get("data_root") or predictor.cfg.data_root)
     if not root.is_dir():
         raise ReportError(f"{root}: data root of the run is missing; pass --data-root")
@@ -316,15 +111,14 @@ def write_montages(
     rng = np.random.default_rng(0)
     for name, image_path, label_path in pair_files(val)[:volumes]:
         vol = load_volume_pair(
-            name, image_path, label_path, predictor.normalization, rng, len(classes) or 1
+            name, image_path, label_path, predictor.normalization, rng, labels.num_classes
         )
         logits = predictor.logits(vol.image)
-        counts = count(logits, torch.as_tensor(vol.label, device=logits.device)[None, None])
+        target = torch.as_tensor(vol.label, device=logits.device)[None, None]
+        counts = labels.counts(logits, target)
         dice = float(dice_iou(counts.cpu())[0].mean())  # K >= 2: mean over foreground classes
-        if classes:  # the class of highest probability, as the per-class counts
-            prediction = softmax(logits, dim=1)[0].argmax(0).cpu().numpy()
-        else:
-            prediction = (sigmoid(logits)[0, 0] > 0.5).cpu().numpy()  # as the metrics threshold
+        # as the metrics count: sigmoid > 0.5, or the class of highest probability
+        prediction = labels.mask_of_probabilities(labels.probabilities(logits)).cpu().numpy()
         title = f"{name}: Dice {dice:.3f} ({checkpoint.name}, {run_dir.name})"
         rgb = montage_figure(vol.image, vol.label, prediction, title, n_slices, classes=classes)
         path = out_dir / f"montage_{name}.png"
@@ -355,14 +149,14 @@ def write_montages(
         pooled = {k: np.concatenate(v) for k, v in diameters.items()}
         truth_source = "instance maps" if maps else "watershed of the labels"
         unit = units.pop() if len(units) == 1 else "mixed units"
-        fig = grains.psd_figure(
+        fig = psd_figure(
             pooled,
             unit,
             f"{run_dir.name}: grain sizes, {len(diameters['true'])} val volume(s), "
             f"true grains from the {truth_source}",
         )
         path = out_dir / "psd.png"
-        atomic_write_bytes(path, grains.figure_png(fig))
+        atomic_write_bytes(path, figure_png(fig))
         errors = grains.distribution_error(pooled["predicted"], pooled["true"])
         d50 = errors["d50_error"]
         written.append((path, "d50 error " + ("n/a" if d50 is None else f"{d50:+.3g} {unit}")))
@@ -378,14 +172,6 @@ def log_to_tensorboard(run_dir: Path, pictures: list[Path], step: int) -> None:
         for path in pictures:
             rgb = (imread(path)[..., :3] * 255).astype(np.uint8)
             writer.add_image(f"report/{path.stem}", rgb, step, dataformats="HWC")
-
-
-def png_bytes(rgb: np.ndarray) -> bytes:
-    from matplotlib.image import imsave
-
-    buffer = io.BytesIO()
-    imsave(buffer, rgb, format="png")
-    return buffer.getvalue()
 
 
 def _device(name: str):

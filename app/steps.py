@@ -16,7 +16,7 @@ from app.config import Config
 from app.distributed import DistEnv, prepare, reduce_tensor, unwrap
 from app.ema import WeightAverage
 from app.epoch_position import EpochPosition
-from app.losses import build_loss
+from app.labels import build_loss
 from app.model import build_model
 from app.precision import Precision, build_precision
 from app.preemption import NO_CONTROL, EpochControl, NullControl
@@ -137,8 +137,7 @@ def synthetic_batch(
     shape = (cfg.batch_size, 1, *cfg.patch_size)
     images = torch.randn(shape, generator=generator) + offset
     labels = (torch.rand(shape, generator=generator) < 0.3).float()
-    if cfg.num_classes >= 2:
-        labels *= torch.randint(1, cfg.num_classes, shape, generator=generator)
+    labels = cfg.labels.synthetic_labels(labels, generator)
     return images.to(device), labels.to(device)
 
 

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from app.atomic import atomic_write_bytes
 from app.config import Config
 from app.distributed import DistEnv
+from app.figures import montage_figure
 from app.validation import SliceSample
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,6 @@ def make_tracker(cfg: Config, env: DistEnv, resumed_epoch: int) -> Tracker | Nul
 def montage(sample: SliceSample, epoch: int, classes: list[str] | None = None) -> np.ndarray:
     """The sample's slices, ground truth and prediction outlined (K >= 2 ``classes``: each class
     in its colour), as one RGB (H, W, 3) image."""
-    from app.report import montage_figure  # matplotlib, only when images are logged
-
     title = f"{sample.name}, epoch {epoch}, Dice {sample.dice:.3f}"
     return montage_figure(
         sample.image,

@@ -49,8 +49,8 @@ from app.distributed import (
 from app.ema import WeightAverage, inference_weights
 from app.epoch_position import EpochPosition, ResumableSampler
 from app.floor import class_floors_from_volumes, floors_from_volumes
+from app.labels import LabelScheme, build_loss
 from app.lazy_data import index_split, load_mapped_train_val
-from app.losses import build_loss
 from app.model import build_model
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
 from app.precision import Precision, build_precision
@@ -310,16 +310,23 @@ def load_data(cfg: Config, resumed: dict[str, Any] | None) -> tuple[list, list, 
     )
 
 
-def classical_floor(train_volumes: list, val_volumes: list, classes: list[str]) -> dict:
+def classical_floor(train_volumes: list, val_volumes: list, labels: LabelScheme) -> dict:
     """The best intensity band picked on the training set, scored on validation (global Dice),
     on the images as the model sees them; logged beside the model's Dice as ``floor_dice``
     (K >= 2: each class's band as ``floor_dice/NAME``, their mean as ``floor_dice``)."""
-    if classes:
-        bands = class_floors_from_volumes(train_volumes, val_volumes, classes)
-        for name, band in bands.items():
-            log.info("classical floor of class %s: %s", name, band.describe())
-        figures = {f"floor_dice/{name}": band.val_dice for name, band in bands.items()}
-        return {"floor_dice": sum(figures.values()) / len(figures), **figures}
+    floor = labels.choose(binary=mask_floor, classes=class_floor)
+    return floor(train_volumes, val_volumes, labels.names)
+
+
+def class_floor(train_volumes: list, val_volumes: list, classes: list[str]) -> dict:
+    bands = class_floors_from_volumes(train_volumes, val_volumes, classes)
+    for name, band in bands.items():
+        log.info("classical floor of class %s: %s", name, band.describe())
+    figures = {f"floor_dice/{name}": band.val_dice for name, band in bands.items()}
+    return {"floor_dice": sum(figures.values()) / len(figures), **figures}
+
+
+def mask_floor(train_volumes: list, val_volumes: list, classes: list[str]) -> dict:
     started = time.perf_counter()
     # volumes read by patches give a strided sample of their voxels
     floors = floors_from_volumes([v.sampled() for v in train_volumes], val_volumes)
@@ -507,7 +514,7 @@ def train(
             log.info("eval of epoch %d: %s", start_epoch, result.summary())
         return result.summary()
 
-    floor = classical_floor(train_volumes, val_volumes, cfg.classes) if env.is_primary else None
+    floor = classical_floor(train_volumes, val_volumes, cfg.labels) if env.is_primary else None
     tracker = make_tracker(cfg, env, start_epoch)
     resolved = decision.to_dict() | ({"plan": plan.reasons} if plan else {})
     run_on_primary((OSError,), start_run_dir, settings, cfg, resolved)

@@ -10,6 +10,7 @@ foreground class ``1..K-1``, then the loss: ``(volumes, 3(K-1) + 1)``, reduced t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,7 +20,8 @@ from torch import nn
 from app.data import Volume
 from app.distributed import DistEnv, reduce_tensor
 from app.inference import predict_logits
-from app.metrics import counts_for, dice_iou
+from app.labels import LabelScheme, scheme_of_names
+from app.metrics import dice_iou
 from app.precision import Precision
 
 
@@ -28,6 +30,10 @@ class EvalResult:
     names: list[str]
     table: torch.Tensor  # (volumes, 3F + 1): TP, FP, FN of F classes, then loss; float64, CPU
     classes: list[str] = field(default_factory=list)  # K >= 2: class names, background first
+
+    @property
+    def labels(self) -> LabelScheme:
+        return scheme_of_names(self.classes)
 
     @property
     def counts(self) -> torch.Tensor:
@@ -79,26 +85,24 @@ class EvalResult:
         for v, name in enumerate(self.names):
             row = {"name": name, "dice": float(dice_v[v]), "iou": float(iou_v[v])}
             row["loss"] = float(self.table[v, -1])
-            if not self.classes:
-                tp, fp, fn = (int(x) for x in self.counts[v, 0])
-                rows.append(row | {"tp": tp, "fp": fp, "fn": fn})
-                continue
-            row["classes"] = {
+            counted = {
                 class_name: {
                     "dice": float(dice_c[v, c]),
                     "iou": float(iou_c[v, c]),
                     **dict(zip(("tp", "fp", "fn"), (int(x) for x in self.counts[v, c]))),
                 }
-                for c, class_name in enumerate(self.classes[1:])
+                for c, class_name in enumerate(self.labels.scored)
             }
-            rows.append(row)
+            # binary: the mask's counts in the row itself; K >= 2: each class's under "classes"
+            binary = dict(zip(("tp", "fp", "fn"), (int(x) for x in self.counts[v, 0])))
+            rows.append(row | self.labels.choose(binary=binary, classes={"classes": counted}))
         return rows
 
 
 @dataclass
 class SliceSample:
     """A few z-slices through the foreground of one validation volume, for the montage that
-    TensorBoard shows every epoch (``app.report.montage_figure``)."""
+    TensorBoard shows every epoch (``app.figures.montage_figure``)."""
 
     name: str
     z: list[int]
@@ -139,15 +143,15 @@ def evaluate(
     mode: str,
     overlap: float,
     sw_batch_size: int,
-    classes: list[str] | None = None,
+    classes: Sequence[str] = (),
 ) -> tuple[EvalResult, SliceSample | None]:
     """Evaluate the unwrapped ``model`` (a DDP wrapper would broadcast buffers on every forward,
     a collective that ranks with different shard sizes would not all reach). ``classes``: the
     K >= 2 class names, background first (none: the binary task)."""
-    classes = list(classes or [])
+    classes = list(classes)
+    labels = scheme_of_names(classes)
     blend, overlap = ("gaussian", overlap) if mode == "whole" else ("constant", 0.0)
-    count = counts_for(len(classes))
-    scored = max(1, len(classes) - 1)  # classes with counts: the binary mask, or K-1
+    scored = len(labels.scored)  # rows of counts: the binary mask, or the K-1 classes
     table = torch.zeros(len(volumes), 3 * scored + 1, dtype=torch.float64, device=env.device)
     sample = None
     was_training = model.training
@@ -156,12 +160,12 @@ def evaluate(
         vol = volumes[index]
         logits = predict_logits(model, vol.image, window, precision, overlap, sw_batch_size, blend)
         label = torch.as_tensor(vol.label, device=env.device)[None, None]
-        table[index, :-1] = count(logits, label).flatten()
+        table[index, :-1] = labels.counts(logits, label).flatten()
         table[index, -1] = loss_fn(logits, label).double()
         if sample is None:
             # binary: sigmoid > 0.5 <=> logit > 0; K >= 2: the argmax class (the montage colours
             # each class)
-            pred = (logits[0].argmax(0) if classes else logits[0, 0] > 0).cpu().numpy()
+            pred = labels.mask_of_logits(logits[0]).cpu().numpy()
             z = pick_slices(vol.label, pred, MONTAGE_SLICES)
             dice = float(dice_iou(table[index, :-1].reshape(-1, 3))[0].mean())
             sample = SliceSample(vol.name, z, vol.image[z], vol.label[z], pred[z], dice)

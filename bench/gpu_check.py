@@ -95,7 +95,8 @@ from app.data import Normalization  # noqa: E402
 from app.distributed import DistEnv, distributed_session, prepare, unwrap  # noqa: E402
 from app.hardware import detect  # noqa: E402
 from app.kernel_check import check_convolutions  # noqa: E402
-from app.losses import BCEDiceLoss, build_loss  # noqa: E402
+from app.labels import build_loss  # noqa: E402
+from app.losses import BCEDiceLoss  # noqa: E402
 from app.metrics import class_counts  # noqa: E402
 from app.model import UNet3d, use_channels_last  # noqa: E402
 from app.precision import ApexPrecision, build_precision, softmax  # noqa: E402

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from app import grains  # noqa: E402
 from app.hardware import cpu_info  # noqa: E402
+from app.masks import clean_mask  # noqa: E402
 
 
 def synthetic():
@@ -131,7 +132,8 @@ def cmd_postprocess(args: argparse.Namespace) -> None:
     import torch
 
     from app.data import SPLITS, load_volume_pair, pair_files
-    from app.predict import THRESHOLD, load_predictor
+    from app.labels import THRESHOLD
+    from app.predict import load_predictor
 
     print(header("postprocess"))
     checkpoint = args.run / "checkpoints" / f"{args.checkpoint}.pt"
@@ -153,7 +155,7 @@ def cmd_postprocess(args: argparse.Namespace) -> None:
         for fill in (False, True):
             tp = fp = fn = matched = n_pred = n_true = merged = split = 0
             for mask, label, truth in cases:
-                mask = grains.clean_mask(mask, min_size, fill)
+                mask = clean_mask(mask, min_size, fill)
                 tp += int((mask & label).sum())
                 fp += int((mask & ~label).sum())
                 fn += int((~mask & label).sum())

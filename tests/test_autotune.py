@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from conftest import free_port
+from helpers import free_port
 
 from app import autotune, hardware
 from app.autotune import Candidate

@@ -11,7 +11,7 @@ import sys
 import apex_recording_standin
 import pytest
 import torch
-from conftest import ROOT
+from helpers import ROOT
 
 TINY = ["--patch-size", "16", "32", "32", "--f-maps", "4", "--depth", "3", "--batch-size", "2"]
 VERDICT = re.compile(r"^(PASS|FAIL|SKIP|WARN) [\w.-]+: \S")
@@ -227,7 +227,7 @@ def test_grains_bench_scales_and_sweeps(capsys):
 
 
 def test_grains_bench_scores_the_clean_ups_of_a_run(tmp_path, capsys):
-    from conftest import train_tiny, write_dataset
+    from helpers import train_tiny, write_dataset
 
     bench_grains = load("bench_grains", "bench/grains.py")
     run = train_tiny(write_dataset(tmp_path / "data", n_train=2, n_val=1), tmp_path / "run")

@@ -4,7 +4,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import blob_volume, write_dataset
+from helpers import blob_volume, write_dataset
 
 from app.data import Augment, DataError, PatchDataset, load_split, normalize
 from app.volume_io import VolumeMeta, read_volume, write_volume

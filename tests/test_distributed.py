@@ -11,7 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, free_port, write_dataset
+import torch
+from helpers import ROOT, TINY, free_port, write_dataset
 
 from app.config import Config
 from app.distributed import init_distributed
@@ -151,6 +152,15 @@ def worker_pids(marker, rank):
     return pids
 
 
+def in_epoch(last: Path, epoch: int) -> bool:
+    """Whether ``last`` is a mid-epoch checkpoint of ``epoch`` or later (written atomically: a
+    reader sees the previous file or this one, never half of one)."""
+    if not last.exists():
+        return False
+    position = torch.load(last, map_location="cpu", weights_only=True).get("position")
+    return bool(position) and position["epoch"] >= epoch
+
+
 def test_a_killed_worker_is_restarted_and_training_resumes(tmp_path):
     data = write_dataset(tmp_path / "data", n_train=6, n_val=1)
     run_dir = tmp_path / "run"
@@ -167,6 +177,9 @@ def test_a_killed_worker_is_restarted_and_training_resumes(tmp_path):
         10,
         "--batch-size",
         1,
+        # a mid-epoch checkpoint every few steps: the file that says when epoch 2 is under way
+        "--checkpoint-every-min",
+        0.0001,
     ]
     proc = subprocess.Popen(
         ["bash", "launch.sh", *map(str, args)],
@@ -179,10 +192,9 @@ def test_a_killed_worker_is_restarted_and_training_resumes(tmp_path):
     try:
         last = run_dir / "checkpoints/last.pt"
         deadline = time.time() + 120
-        while not last.exists() and time.time() < deadline and proc.poll() is None:
+        while not in_epoch(last, 2) and time.time() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        assert last.exists(), "epoch 1 never finished"
-        time.sleep(1.0)  # well into epoch 2
+        assert in_epoch(last, 2), "no mid-epoch checkpoint of epoch 2 was written"
         victims = worker_pids(marker, rank=1)
         assert victims, "rank 1 not found"
         for pid in victims:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, train_tiny
+from helpers import TINY, train_tiny
 from torch import nn
 
 from app.ema import WeightAverage, inference_weights

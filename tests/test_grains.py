@@ -12,6 +12,7 @@ import pytest
 from skimage.morphology import h_maxima as skimage_h_maxima
 
 from app import grains
+from app.masks import clean_mask
 from app.volume_io import VolumeMeta, write_volume
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,10 +196,10 @@ def test_clean_mask_removes_specks_and_fills_cavities():
     mask[1:3, 1:3, 1] = True  # a 4-voxel speck
     mask[4:11, 4:11, 4:11] = True
     mask[6:9, 6:9, 6:9] = False  # an enclosed cavity of 27 voxels
-    assert np.array_equal(grains.clean_mask(mask), mask)  # off by default
-    cleaned = grains.clean_mask(mask, min_object_size=5)
+    assert np.array_equal(clean_mask(mask), mask)  # off by default
+    cleaned = clean_mask(mask, min_object_size=5)
     assert cleaned.sum() == mask.sum() - 4
-    filled = grains.clean_mask(mask, min_object_size=5, fill_holes=True)
+    filled = clean_mask(mask, min_object_size=5, fill_holes=True)
     assert filled.sum() == 7**3 and filled[4:11, 4:11, 4:11].all()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, write_dataset
+from helpers import ROOT, write_dataset
 
 import app.checkpoint
 from app.train import main

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, write_dataset
+from helpers import ROOT, TINY, write_dataset
 
 from app.launcher import drop_unsupported, torchrun_options
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
-from conftest import blob_volume, write_dataset
+from helpers import blob_volume, write_dataset
 
 from app.data import load_train_val
 from app.lazy_data import (

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
+from helpers import TIMING, TINY, write_phases
 
 from app import precision as amp_ops
 from app.config import Config, ConfigError, load_config
 from app.data import DataError, PatchDataset, load_split
 from app.distributed import DistEnv, prepare
-from app.losses import BCEDiceLoss, CEDiceLoss, build_loss
+from app.labels import build_loss
+from app.losses import BCEDiceLoss, CEDiceLoss
 from app.metrics import class_counts, dice_iou
 from app.model import build_model
 from app.precision import ApexPrecision
@@ -25,32 +26,6 @@ from app.volume_io import VolumeMeta, write_volume
 
 
 # ----------------------------------------------------------------------------- data
-def phase_volume(shape, rng: np.random.Generator, num_classes: int):
-    """Blobs of classes 1..K-1, each class brighter than the last, on a dark noisy background."""
-    grid = np.stack(np.meshgrid(*[np.arange(s) for s in shape], indexing="ij"), -1).astype(float)
-    label = np.zeros(shape, np.uint8)
-    for c in range(1, num_classes):
-        for _ in range(2):
-            centre = rng.uniform(0, shape)
-            radii = rng.uniform(2, max(3, min(shape) / 3), 3)
-            label[(((grid - centre) / radii) ** 2).sum(-1) < 1] = c
-    image = label * 1.0 + rng.normal(0, 0.25, shape)
-    return image.astype(np.float32), label
-
-
-def write_phases(root, num_classes=3, n_train=3, n_val=3, shape=(16, 32, 32), seed=0):
-    rng = np.random.default_rng(seed)
-    for split, count in (("train_patches", n_train), ("val_patches", n_val)):
-        for kind in ("images", "labels"):
-            (root / split / kind).mkdir(parents=True, exist_ok=True)
-        for i in range(count):
-            image, label = phase_volume(shape, rng, num_classes)
-            meta = VolumeMeta(".nii.gz", affine=np.eye(4))
-            write_volume(root / split / "images" / f"vol_{i:02d}.nii.gz", image, meta)
-            write_volume(root / split / "labels" / f"vol_{i:02d}.nii.gz", label, meta)
-    return root
-
-
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory):
     # an odd number of validation volumes: 2 ranks get 2 and 1, with nothing padded
@@ -214,7 +189,8 @@ def test_foreground_oversampling_centres_each_class():
     label = np.zeros((16, 32, 32), np.uint8)
     label[2:14, 2:30, 2:30] = 1  # a common class
     label[8, 16, 16] = 2  # and one rare voxel
-    from app.data import Volume, class_voxels
+    from app.data import Volume
+    from app.labels import class_voxels
 
     voxels = class_voxels(label, 3, np.random.default_rng(0))
     vol = Volume("v", label.astype(np.float32), label, None, np.concatenate(voxels), voxels)
@@ -251,9 +227,6 @@ def train_args(data, run_dir, epochs, *extra):
 
 def records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-TIMING = ("epoch_time_s", "train_time_s", "val_time_s", "samples_per_s", "voxels_per_s")
 
 
 def test_k3_trains_reports_per_class_and_resumes_exactly(phases, tmp_path):
@@ -418,7 +391,7 @@ def test_predict_and_evaluate_refuse_what_does_not_fit_label_maps(k3_run, phases
 def test_montage_colours_each_class_and_report_leaves_grains_out(k3_run, phases):
     from matplotlib.colors import to_rgb
 
-    from app.report import CLASS_COLOURS, montage_figure
+    from app.figures import CLASS_COLOURS, montage_figure
     from app.report import main as report_main
 
     label = np.zeros((4, 24, 24), np.uint8)
@@ -461,7 +434,8 @@ def test_resume_with_another_num_classes_is_refused(phases, k3_run, tmp_path, ca
 
 
 def test_padding_keeps_each_class_at_its_padded_place():
-    from app.data import Volume, class_voxels
+    from app.data import Volume
+    from app.labels import class_voxels
 
     label = np.zeros((4, 6, 6), np.uint8)
     label[1, 1, 1], label[2, 4, 4] = 1, 2

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY
+from helpers import TINY
 
 from app import steps
 from app.checkpoint import CheckpointError, load_checkpoint, save_checkpoint

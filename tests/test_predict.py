@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
-from conftest import ROOT, blob_volume, train_tiny, write_dataset
+from helpers import ROOT, blob_volume, train_tiny, write_dataset
 from torch import nn
 
 from app import predict as predict_cli

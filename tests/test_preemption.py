@@ -10,14 +10,12 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, TINY, write_dataset
+from helpers import ROOT, TIMING, TINY, write_dataset
 from torch.utils.data import DistributedSampler
 
 from app.epoch_position import EpochPosition, ResumableSampler
 from app.preemption import EpochControl
 from app.train import main
-
-TIMING = ("epoch_time_s", "train_time_s", "val_time_s", "samples_per_s", "voxels_per_s")
 
 
 def records(run_dir):

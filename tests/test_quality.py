@@ -39,7 +39,7 @@ def test_dataset_normalisation_is_fitted_on_train_and_kept_in_the_checkpoint(dat
     with pytest.raises(ValueError, match="unknown normalisation"):
         Normalization("minmax")
 
-    from conftest import train_tiny
+    from helpers import train_tiny
 
     run_dir = train_tiny(dataset, tmp_path / "run", "--normalization", "dataset", epochs=1)
     state = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
@@ -99,7 +99,7 @@ def test_residual_encoder_adds_its_shortcut(norm):
 
 
 def test_residual_encoder_trains_predicts_and_old_checkpoints_stay_plain(dataset, tmp_path):
-    from conftest import train_tiny
+    from helpers import train_tiny
 
     run_dir = train_tiny(dataset, tmp_path / "res", "--block", "residual", epochs=1)
     predictor = load_predictor(run_dir / "checkpoints/last.pt", torch.device("cpu"))

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import blob_volume, train_tiny, write_dataset
+from helpers import blob_volume, train_tiny, write_dataset
 
-from app import report
+from app import figures, report
 from app.tracking import montage
 from app.validation import SliceSample, pick_slices
 
@@ -27,24 +27,24 @@ def colour_present(rgb: np.ndarray, hex_colour: str, tolerance: int = 40) -> boo
 def test_montage_figure_is_an_rgb_array_with_both_outlines():
     image, label = blob_volume((16, 32, 32), np.random.default_rng(0))
     prediction = np.roll(label, 3, axis=2)
-    rgb = report.montage_figure(image, label, prediction, "vol: Dice 0.5", n_slices=4)
+    rgb = figures.montage_figure(image, label, prediction, "vol: Dice 0.5", n_slices=4)
     # 4 panels of 2.4 in in one row, 0.08 in gaps; 0.45 in title, 0.25 in captions, 0.35 legend
     assert rgb.dtype == np.uint8 and rgb.shape == (345, 1000, 3)
-    assert colour_present(rgb, report.GROUND_TRUTH_COLOUR)
-    assert colour_present(rgb, report.PREDICTION_COLOUR)
+    assert colour_present(rgb, figures.GROUND_TRUTH_COLOUR)
+    assert colour_present(rgb, figures.PREDICTION_COLOUR)
 
-    rgb = report.montage_figure(image, label, prediction, "eight", n_slices=8)
+    rgb = figures.montage_figure(image, label, prediction, "eight", n_slices=8)
     assert rgb.shape == (610, 1000, 3)  # two rows of four
 
 
 def test_montage_of_empty_masks_and_of_odd_shapes():
     image = np.random.default_rng(0).normal(size=(3, 20, 50)).astype(np.float32)
     empty = np.zeros(image.shape, np.uint8)
-    rgb = report.montage_figure(image, empty, empty, "nothing", n_slices=8)
+    rgb = figures.montage_figure(image, empty, empty, "nothing", n_slices=8)
     assert rgb.ndim == 3 and rgb.shape[2] == 3  # 3 slices: one row of three
-    assert not colour_present(rgb[:-35], report.PREDICTION_COLOUR)  # only in the legend
+    assert not colour_present(rgb[:-35], figures.PREDICTION_COLOUR)  # only in the legend
     with pytest.raises(ValueError, match="one shape"):
-        report.montage_figure(image, empty[:2], empty, "bad", 4)
+        figures.montage_figure(image, empty[:2], empty, "bad", 4)
 
 
 def test_pick_slices_follow_the_foreground():
@@ -118,10 +118,10 @@ def test_grain_montage_fills_each_grain_with_its_colour():
     image, label = blob_volume((8, 32, 32), np.random.default_rng(2))
     instances = np.zeros(label.shape, np.int32)
     instances[:, 4:12, 4:12], instances[:, 16:28, 16:28] = 1, 2
-    rgb = report.montage_figure(image, label, label, "grains", 4, instances=instances)
-    colours = report.grain_colours(np.array([1, 2]))
-    assert not np.allclose(colours[0], colours[1]) and report.grain_colours(np.array(0))[3] == 0
-    assert not colour_present(rgb[:-35], report.PREDICTION_COLOUR)  # filled, not outlined
+    rgb = figures.montage_figure(image, label, label, "grains", 4, instances=instances)
+    colours = figures.grain_colours(np.array([1, 2]))
+    assert not np.allclose(colours[0], colours[1]) and figures.grain_colours(np.array(0))[3] == 0
+    assert not colour_present(rgb[:-35], figures.PREDICTION_COLOUR)  # filled, not outlined
 
 
 def test_report_errors(tmp_path, capsys):

@@ -9,12 +9,10 @@ import textwrap
 
 import pytest
 import torch
-from conftest import ROOT, write_dataset
+from helpers import ROOT, TIMING, write_dataset
 
 from app.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
 from app.train import main
-
-TIMING = ("epoch_time_s", "train_time_s", "val_time_s", "samples_per_s", "voxels_per_s")
 
 
 def run(args):
