@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 
 from app.atomic import os_cause
 from app.augment import Augment
+from app.geometry import Geometry, mismatches, spacing_spread
 from app.labels import FOREGROUND_SAMPLES, label_scheme
 from app.volume_io import EXTENSIONS, VolumeError, is_volume_file, read_volume, split_ext
 
@@ -54,6 +55,7 @@ class Volume:
     foreground: np.ndarray = field(repr=False)  # flat indices of sampled foreground voxels
     # K >= 2: flat indices of sampled voxels of each foreground class 1..K-1 (empty: binary)
     class_voxels: list[np.ndarray] = field(default_factory=list, repr=False)
+    grid: Geometry = field(default_factory=Geometry, repr=False)  # the image's, as read
 
     def foreground_centre(self, rng: np.random.Generator) -> tuple[int, ...]:
         """A sampled foreground voxel; K >= 2: of a class picked uniformly among those present,
@@ -220,17 +222,51 @@ def load_volume_pair(
 ) -> Volume:
     if isinstance(normalization, str):
         normalization = Normalization(normalization)
-    image, _ = read_volume(image_path)
+    image, image_meta = read_volume(image_path)
     check_finite(image, image_path)
-    label, _ = read_volume(label_path)
+    label, label_meta = read_volume(label_path)
     check_finite(label, label_path)
-    if image.shape != label.shape:
-        raise VolumeError(
-            f"{image_path}: shape {image.shape} differs from its label "
-            f"{label_path} with shape {label.shape}"
-        )
+    check_same_grid(
+        image_path, image.shape, image_meta.grid, label_path, label.shape, label_meta.grid
+    )
     label, foreground, voxels = label_scheme(num_classes).read_label(label, label_path, rng)
-    return Volume(name, normalization(image), label, image_path, foreground, voxels)
+    return Volume(
+        name, normalization(image), label, image_path, foreground, voxels, grid=image_meta.grid
+    )
+
+
+def check_same_grid(
+    image_path: Path,
+    image_shape: tuple[int, ...],
+    image_grid: Geometry,
+    label_path: Path,
+    label_shape: tuple[int, ...],
+    label_grid: Geometry,
+) -> None:
+    """An image and its label lie on the same voxel grid: shape, and the spacing, origin and
+    orientation both files state (``app.geometry``'s tolerances), or a VolumeError naming both
+    files and every difference."""
+    found = [] if image_shape == label_shape else [f"shape {image_shape} vs {label_shape}"]
+    found += mismatches(image_grid, label_grid)
+    if found:
+        raise VolumeError(
+            f"{image_path}: its label {label_path} lies on another grid: " + "; ".join(found)
+        )
+
+
+def warn_spacing_spread(volumes: list[Volume], split_dir: Path) -> None:
+    spread = spacing_spread([vol.grid for vol in volumes])
+    if spread is not None:
+        low, high, unit = spread
+        log.warning(
+            "%s: voxel sizes range from %.4g to %.4g %s (cube-equivalent side): the network sees "
+            "the same structure at scales %.1fx apart; resample the volumes to one spacing",
+            split_dir,
+            low,
+            high,
+            unit,
+            high / low,
+        )
 
 
 def load_split(
@@ -260,6 +296,8 @@ def load_split(
         raise DataError("\n".join(problems))
     scheme = label_scheme(num_classes)
     scheme.check_split([vol.label for vol in volumes], root / SPLITS[split] / "labels")
+    if split == "train":
+        warn_spacing_spread(volumes, root / SPLITS[split])
     return volumes
 
 

@@ -17,9 +17,11 @@ Policies
   a background 6-neighbour; outside the volume counts as background): the larger of the two
   directed 95th percentiles (numpy's linear interpolation) of the distances from each surface
   voxel of one mask to the nearest surface voxel of the other, by Euclidean distance transforms.
-  Unit: the label's NIfTI voxel spacing (pixdim), in the unit its header names (mm when it names
-  none); ``voxel`` for TIFF/NPY labels or with ``--spacing voxel``. The ``hd95_unit`` column says
-  which.
+  Unit: the voxel size the label's file states, in its unit (NIfTI: mm unless the header names
+  another; ImageJ/OME TIFF; zarr; ``app.volume_io``); ``voxel`` for a label that states none
+  (``.npy``, a plain TIFF) or with ``--spacing voxel``. The ``hd95_unit`` column says which.
+- Grid: a prediction must lie on its label's grid (shape, and the spacing, origin and
+  orientation both files state), or the pair is an error naming both files.
 - Empty masks: empty in both prediction and label: Dice = IoU = precision = recall = 1,
   HD95 = 0 (nothing to find, nothing found). Empty in exactly one: Dice = IoU = precision =
   recall = 0 and HD95 = inf, written ``null`` in the JSON and ``inf`` in the CSV; such volumes
@@ -67,7 +69,7 @@ from scipy import ndimage
 from app import grains
 from app.atomic import atomic_write_bytes
 from app.cli import HelpFormatter
-from app.data import check_finite
+from app.data import check_finite, check_same_grid
 from app.labels import (
     LabelScheme,
     binarize_label,
@@ -277,13 +279,11 @@ def evaluate_pair(
     pair: Pair, spacing_mode: str = "header", grain_params: grains.GrainParams | None = None
 ) -> dict[str, Any]:
     """One volume's figures; ``grain_params`` None leaves the grains out."""
-    raw_pred, _ = read_volume(pair.prediction)
+    raw_pred, pred_meta = read_volume(pair.prediction)
     raw_label, meta = read_volume(pair.label)
-    if raw_pred.shape != raw_label.shape:
-        raise VolumeError(
-            f"{pair.prediction}: shape {raw_pred.shape} differs from its label "
-            f"{pair.label} with shape {raw_label.shape}"
-        )
+    check_same_grid(
+        pair.prediction, raw_pred.shape, pred_meta.grid, pair.label, raw_label.shape, meta.grid
+    )
     check_finite(raw_label, pair.label)
     label = binarize_label(raw_label, pair.label).astype(bool)
     pred = binarize_prediction(raw_pred, pair.prediction)
@@ -308,13 +308,16 @@ CLASS_CSV_COLUMNS = ("name", "class", "tp", "fp", "fn", "dice", "iou", "precisio
 
 def evaluate_classes_pair(pair: Pair, classes: list[str]) -> dict[str, Any]:
     """One volume's per-class figures of a label map (``classes``: background first)."""
-    raw_pred, _ = read_volume(pair.prediction)
-    raw_label, _ = read_volume(pair.label)
-    if raw_pred.shape != raw_label.shape:
-        raise VolumeError(
-            f"{pair.prediction}: shape {raw_pred.shape} differs from its label "
-            f"{pair.label} with shape {raw_label.shape}"
-        )
+    raw_pred, pred_meta = read_volume(pair.prediction)
+    raw_label, label_meta = read_volume(pair.label)
+    check_same_grid(
+        pair.prediction,
+        raw_pred.shape,
+        pred_meta.grid,
+        pair.label,
+        raw_label.shape,
+        label_meta.grid,
+    )
     label = check_class_label(raw_label, pair.label, len(classes))
     pred = check_class_label(raw_pred, pair.prediction, len(classes))
     return {
@@ -452,9 +455,9 @@ null in the JSON and inf in the CSV, left out of the HD95 mean and median and
 counted in hd95_excluded.
 
 HD95: the larger of the two directed 95th percentiles of surface-to-surface
-distances, in the label's NIfTI spacing unit (mm unless its header names another),
-in voxels for TIFF/NPY labels or with --spacing voxel; the hd95_unit field says
-which. Writes the JSON summary (--out: mean, median, global figures from summed
+distances, in the voxel size and unit the label's file states (NIfTI, ImageJ/OME
+TIFF, zarr), in voxels for labels that state none or with --spacing voxel; the
+hd95_unit field says which. Writes the JSON summary (--out: mean, median, global figures from summed
 counts, every volume) and a CSV with one row per volume next to it."""
 
 
@@ -485,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--spacing",
         choices=["header", "voxel"],
         default="header",
-        help="HD95 and grain sizes in the label's NIfTI spacing, or in voxels",
+        help="HD95 and grain sizes in the voxel size the label's file states, or in voxels",
     )
     parser.add_argument(
         "--num-classes",

@@ -16,8 +16,9 @@ Policies
 - Properties (:func:`grain_table`, by ``skimage.measure.regionprops_table``): volume, equivalent
   sphere diameter (the diameter of the sphere of the same volume), bounding box, centroid, mean
   intensity of the image when one is given, and whether the grain touches the volume's faces
-  (its size is then cut short). With a voxel spacing (NIfTI header) volume, diameter and centroid
-  are also given in physical units.
+  (its size is then cut short). For a volume whose format states a voxel size with a length
+  unit (NIfTI, ImageJ/OME TIFF, OME-Zarr; ``app.volume_io``), diameter and centroid are also
+  given in that unit.
 - Size distribution (:func:`size_distribution`): d10, d50 and d90 of the equivalent diameters by
   number (10 % of the grains are smaller than d10) and by volume (10 % of the grain volume is in
   grains smaller than d10: the "% passing" of a sieve analysis).
@@ -443,8 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
 Split predicted masks into grains and measure them. For each volume writes
 NAME_grains.csv (one row per grain: volume, equivalent diameter, bounding box,
 centroid, mean intensity with --images, whether it touches the faces; physical
-units from the NIfTI spacing), and for all volumes grains.json (count and d10/d50/d90
-by number and by volume, per volume and pooled) and psd.png (size distribution).""",
+units from the voxel size the file states: NIfTI, ImageJ/OME TIFF, zarr), and
+for all volumes grains.json (count and d10/d50/d90 by number and by volume, per
+volume and pooled) and psd.png (size distribution).""",
         formatter_class=HelpFormatter,
     )
     parser.add_argument(
@@ -469,7 +471,7 @@ by number and by volume, per volume and pooled) and psd.png (size distribution).
         "--spacing",
         choices=["header", "voxel"],
         default="header",
-        help="physical units from the NIfTI header, or voxels only",
+        help="physical units from the voxel size the file states, or voxels only",
     )
     parser.add_argument(
         "--save-instances",

@@ -33,11 +33,12 @@ from app.data import (
     DataError,
     Normalization,
     Volume,
+    check_same_grid,
     load_split,
     pair_files,
 )
 from app.labels import FOREGROUND_SAMPLES
-from app.volume_io import VolumeError, split_ext, zarr_array
+from app.volume_io import VolumeError, split_ext, volume_geometry, zarr_array
 
 BLOCK = (8, 16, 16)  # voxels per cell of the coarse foreground index
 SLAB_BYTES = 64 << 20  # a streaming pass reads this much at a time
@@ -211,11 +212,13 @@ def file_key(path: str) -> list:
 def index_volume(image: Regions, label: Regions, folder: Path, name: str) -> VolumeIndex:
     """Stream ``image`` and ``label`` once; raise VolumeError naming the file for NaN/Inf or a
     label that is not binary. The foreground counts go to ``folder/NAME.counts.npy``."""
-    if image.shape != label.shape:
-        raise VolumeError(
-            f"{image.path}: shape {image.shape} differs from its label {label.path} with shape "
-            f"{label.shape}"
-        )
+    (image_shape, image_grid), (label_shape, label_grid) = (
+        volume_geometry(image.path),
+        volume_geometry(label.path),
+    )
+    check_same_grid(
+        Path(image.path), image_shape, image_grid, Path(label.path), label_shape, label_grid
+    )
     cells = tuple(math.ceil(s / b) for s, b in zip(image.shape, BLOCK))
     counts = np.zeros(cells, np.uint32)
     total, total_sq, minimum, bad, values = 0.0, 0.0, math.inf, 0, set()

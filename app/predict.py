@@ -15,8 +15,9 @@ Policies
   validated with ``--val-mode whole`` (the default), the Dice of these masks is the Dice the
   trainer reported. Every setting can be overridden by a flag.
 - Outputs, in ``--output``: ``NAME_probs.EXT`` (float32 probabilities) and/or ``NAME_mask.EXT``
-  (uint8 0/1) in the input's format: NIfTI keeps the input's affine and header, TIFF gives TIFF,
-  NPY gives NPY.
+  (uint8 0/1) in the input's format and on its grid: NIfTI keeps the input's affine and header,
+  TIFF its voxel size and unit (ImageJ metadata), zarr its scale and translation (an OME-Zarr
+  image for an OME-Zarr input); NPY has none.
 - A checkpoint trained with ``--num-classes K >= 2``: ``NAME_mask.EXT`` is the label map (uint8
   ``0..K-1``, each voxel the class of highest float32 softmax probability, as the trainer's
   per-class Dice counts it) and the probabilities are one file per class,
@@ -317,7 +318,8 @@ DESCRIPTION = """\
 Segment whole volumes with a trained checkpoint, exactly as the trainer validates:
 its normalisation, Gaussian-blended sliding windows of its patch size, its mixed
 precision, probability > 0.5. Writes NAME_probs.EXT (float32) and/or NAME_mask.EXT
-(uint8 0/1) in the input's format; NIfTI keeps the input's affine and header.
+(uint8 0/1) in the input's format and on its grid (NIfTI affine and header, TIFF
+voxel size and unit, zarr scale and translation).
 
 A --num-classes K >= 2 checkpoint writes NAME_mask.EXT as a label map (uint8 0..K-1,
 the class of highest softmax probability) and NAME_probs_CLASS.EXT per class.

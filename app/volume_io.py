@@ -1,12 +1,26 @@
 """Reading and writing 3D volumes: NIfTI (nibabel), TIFF stacks (tifffile), ``.npy`` and zarr
 (a ``NAME.zarr`` folder: a zarr array, or an OME-Zarr image whose full-resolution level is read).
 
-Arrays are used in the axis order they are stored in and called (D, H, W). A volume read here
-can be written back in its own format with its own NIfTI affine and header.
+Arrays are used in the axis order they are stored in and called (D, H, W). Each volume's grid
+(:class:`app.geometry.Geometry`: spacing, unit, origin, orientation) is read here once, from
+what its format says:
+
+- NIfTI: the affine (sform or qform, as nibabel chooses) and the header's length unit (mm when
+  it names none);
+- TIFF: OME-XML ``PhysicalSize*`` where present, else ImageJ's ``spacing`` and ``unit`` with
+  the X/Y resolution tags; no origin or orientation;
+- OME-Zarr: the ``scale`` and ``translation`` of the full-resolution dataset (and of the
+  multiscale) and the axes' units; a plain zarr array: this app's ``geometry`` attribute;
+- ``.npy``: nothing.
+
+A volume read here is written back in its own format with its own grid: NIfTI with its affine
+and header, TIFF as an ImageJ stack with its resolution and unit, zarr with its
+transformations.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -16,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from app.atomic import atomic_path
+from app.geometry import Geometry, canonical_unit
 
 EXTENSIONS = (".nii.gz", ".nii", ".tif", ".tiff", ".npy", ".zarr")
 ZARR_CHUNKS = (64, 64, 64)  # written zarr: cubes, so a training patch reads a few chunks
@@ -58,11 +73,109 @@ def zarr_array(path: Path | str):
 
 @dataclass
 class VolumeMeta:
-    """What is needed to write a result next to its input in the same format."""
+    """What is needed to write a result next to its input in the same format, on its grid."""
 
     ext: str
     affine: np.ndarray | None = None
     header: Any = None
+    geometry: Geometry | None = None
+    ome: bool = False  # a zarr input that was an OME-Zarr image: written back as one
+
+    @property
+    def grid(self) -> Geometry:
+        """The volume's geometry: as read, else from a NIfTI affine, else unknown."""
+        if self.geometry is not None:
+            return self.geometry
+        if self.affine is not None and self.ext in (".nii", ".nii.gz"):
+            return Geometry.from_affine(self.affine, nifti_unit(self.header))
+        return Geometry()
+
+
+def nifti_unit(header: Any) -> str:
+    """The NIfTI header's length unit (mm when it names none, as the standard reads it)."""
+    if header is None:
+        return "mm"
+    return canonical_unit(header.get_xyzt_units()[0]) or "mm"
+
+
+def tiff_geometry(tif: Any) -> Geometry:
+    """OME-XML physical sizes, else ImageJ's z spacing and unit with the X/Y resolution tags."""
+    series = tif.series[0]
+    if tif.is_ome and tif.ome_metadata:
+        found = ome_xml_geometry(tif.ome_metadata, series.axes)
+        if found is not None:
+            return found
+    page = tif.pages[0]
+    x_res = page.tags.get("XResolution")
+    y_res = page.tags.get("YResolution")
+    if tif.is_imagej and x_res is not None and y_res is not None:
+        meta = tif.imagej_metadata or {}
+        z = float(meta.get("spacing", 1.0))
+        x, y = (den / num for num, den in (x_res.value, y_res.value))
+        unit = canonical_unit(meta.get("unit"))
+        if unit is not None and min(x, y, z) > 0:
+            return Geometry(spacing=(z, y, x), unit=unit)
+    return Geometry()
+
+
+def ome_xml_geometry(xml: str, axes: str) -> Geometry | None:
+    """The ``Pixels`` physical sizes of an OME-XML header (micrometres unless it names a unit),
+    in the order of the array's ``axes`` (for example ``ZYX``)."""
+    import xml.etree.ElementTree as ET
+
+    pixels = next((e for e in ET.fromstring(xml).iter() if e.tag.endswith("Pixels")), None)
+    if pixels is None or axes[-3:] != "ZYX":
+        return None
+    sizes, units = [], set()
+    for axis in "ZYX":
+        size = pixels.get(f"PhysicalSize{axis}")
+        if size is None:
+            return None
+        sizes.append(float(size))
+        units.add(canonical_unit(pixels.get(f"PhysicalSize{axis}Unit", "µm")))
+    if len(units) != 1 or None in units:
+        return None
+    return Geometry(spacing=tuple(sizes), unit=units.pop())
+
+
+def zarr_geometry(path: Path | str) -> tuple[Geometry, bool]:
+    """An OME-Zarr image's scale, translation and units (its last three axes), or a plain zarr
+    array's ``geometry`` attribute; and whether the folder is an OME-Zarr image."""
+    import zarr
+
+    node = zarr.open(str(path), mode="r")
+    if isinstance(node, zarr.Array):
+        saved = node.attrs.get("geometry")
+        if not saved or not saved.get("spacing"):
+            return Geometry(), False
+        origin = saved.get("origin")
+        return Geometry(
+            spacing=tuple(float(v) for v in saved["spacing"]),
+            unit=canonical_unit(saved.get("unit")) or "voxel",
+            origin=tuple(float(v) for v in origin) if origin else None,
+        ), False
+    multiscales = node.attrs.get("multiscales") or node.attrs.get("ome", {}).get("multiscales")
+    multiscale = multiscales[0]
+    scale = np.ones(3)
+    shift = np.zeros(3)
+    # The dataset's transformations first, then the multiscale's (world = ms(ds(index))).
+    for transforms in (
+        multiscale["datasets"][0].get("coordinateTransformations", []),
+        multiscale.get("coordinateTransformations", []),
+    ):
+        for t in transforms:
+            if t.get("type") == "scale":
+                factor = np.asarray(t["scale"][-3:], dtype=np.float64)
+                scale, shift = scale * factor, shift * factor
+            elif t.get("type") == "translation":
+                shift = shift + np.asarray(t["translation"][-3:], dtype=np.float64)
+    units = {canonical_unit(a.get("unit")) for a in multiscale.get("axes", [])[-3:]}
+    unit = units.pop() if len(units) == 1 and None not in units else "voxel"
+    return Geometry(
+        spacing=tuple(float(v) for v in scale),
+        unit=unit,
+        origin=tuple(float(v) for v in shift),
+    ), True
 
 
 def read_volume(path: Path | str) -> tuple[np.ndarray, VolumeMeta]:
@@ -78,14 +191,25 @@ def read_volume(path: Path | str) -> tuple[np.ndarray, VolumeMeta]:
             img = nib.load(str(path))
             array = np.asarray(img.dataobj)
             meta = VolumeMeta(ext, affine=img.affine, header=img.header)
+            meta.geometry = meta.grid
         elif ext in (".tif", ".tiff"):
             import tifffile
 
-            array = tifffile.imread(str(path))
-            meta = VolumeMeta(ext)
+            with tifffile.TiffFile(str(path)) as tif:
+                array = tif.asarray()
+                # An ImageJ stack cut short reads back as fewer planes than its header states.
+                stated = (tif.imagej_metadata or {}).get("images", 1) if tif.is_imagej else 1
+                planes = math.prod(array.shape[:-2])
+                if planes < stated:
+                    raise VolumeError(
+                        f"{path}: cannot read {ext} file, corrupt or truncated? (its ImageJ "
+                        f"header says {stated} planes, the file holds {planes})"
+                    )
+                meta = VolumeMeta(ext, geometry=tiff_geometry(tif))
         elif ext == ".zarr":
             array = np.asarray(zarr_array(path)[...])
-            meta = VolumeMeta(ext)
+            geometry, ome = zarr_geometry(path)
+            meta = VolumeMeta(ext, geometry=geometry, ome=ome)
         else:
             array = np.load(path, allow_pickle=False)
             meta = VolumeMeta(ext)
@@ -100,9 +224,8 @@ def read_volume(path: Path | str) -> tuple[np.ndarray, VolumeMeta]:
     return array, meta
 
 
-def volume_header(path: Path | str) -> tuple[tuple[int, ...], tuple[float, float, float] | None]:
-    """Shape and voxel spacing (the affine's column norms; NIfTI only, else ``None``) of a
-    volume, read from its header without loading the voxels."""
+def volume_geometry(path: Path | str) -> tuple[tuple[int, ...], Geometry]:
+    """Shape and geometry of a volume, read from its header without loading the voxels."""
     path = Path(path)
     ext = split_ext(path)[1]
     try:
@@ -110,16 +233,15 @@ def volume_header(path: Path | str) -> tuple[tuple[int, ...], tuple[float, float
             import nibabel as nib
 
             img = nib.load(str(path))
-            spacing = tuple(float(v) for v in np.linalg.norm(img.affine[:3, :3], axis=0))
-            return tuple(img.shape), spacing
+            return tuple(img.shape), VolumeMeta(ext, img.affine, img.header).grid
         if ext in (".tif", ".tiff"):
             import tifffile
 
             with tifffile.TiffFile(str(path)) as tif:
-                return tuple(tif.series[0].shape), None
+                return tuple(tif.series[0].shape), tiff_geometry(tif)
         if ext == ".zarr":
-            return tuple(zarr_array(path).shape), None
-        return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape), None
+            return tuple(zarr_array(path).shape), zarr_geometry(path)[0]
+        return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape), Geometry()
     except VolumeError:
         raise
     except Exception as exc:  # as in read_volume: every reader fails its own way
@@ -128,31 +250,45 @@ def volume_header(path: Path | str) -> tuple[tuple[int, ...], tuple[float, float
         ) from exc
 
 
-NIFTI_UNITS = {"mm": "mm", "micron": "um", "meter": "m", "unknown": "mm"}
+def volume_header(path: Path | str) -> tuple[tuple[int, ...], tuple[float, float, float] | None]:
+    """Shape and voxel spacing (``None`` where the file states none) of a volume."""
+    shape, geometry = volume_geometry(path)
+    return shape, geometry.spacing
 
 
 def voxel_spacing(meta: VolumeMeta, mode: str = "header") -> tuple[tuple[float, ...] | None, str]:
-    """Voxel spacing (z, y, x) and its unit from a NIfTI header (mm when it names none), or
-    ``(None, "voxel")`` for TIFF/NPY, a header without positive spacings, or ``mode="voxel"``."""
-    if mode == "voxel" or meta.header is None:
+    """Voxel spacing (z, y, x) and its unit from whatever the volume's format states (NIfTI,
+    TIFF, zarr), or ``(None, "voxel")`` for a volume that states none, one whose spacing has no
+    length unit, or ``mode="voxel"``."""
+    grid = meta.grid
+    if mode == "voxel" or not grid.is_physical:
         return None, "voxel"
-    zooms = tuple(float(z) for z in meta.header.get_zooms()[:3])
-    if any(not z > 0 for z in zooms):
-        return None, "voxel"
-    return zooms, NIFTI_UNITS.get(meta.header.get_xyzt_units()[0], "mm")
+    return grid.spacing, grid.unit
 
 
-def write_zarr(path: Path | str, array: np.ndarray) -> None:
-    """A zarr array folder, written beside ``path`` and renamed into place (an old one is moved
-    aside first and removed after: a folder cannot be renamed over a non-empty one)."""
+OME_UNITS = {"nm": "nanometer", "um": "micrometer", "mm": "millimeter", "cm": "centimeter"}
+
+
+def write_zarr(path: Path | str, array: np.ndarray, meta: VolumeMeta | None = None) -> None:
+    """A zarr array folder, or an OME-Zarr image for an OME-Zarr input, with the volume's
+    geometry; written beside ``path`` and renamed into place (an old one is moved aside first
+    and removed after: a folder cannot be renamed over a non-empty one)."""
     import zarr
 
     path = Path(path)
+    grid = meta.grid if meta is not None else Geometry()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     old = path.with_name(f".{path.name}.{os.getpid()}.old")
     try:
         chunks = tuple(min(c, s) for c, s in zip(ZARR_CHUNKS, array.shape))
-        out = zarr.create_array(str(tmp), shape=array.shape, dtype=array.dtype, chunks=chunks)
+        if meta is not None and meta.ome:
+            group = zarr.open_group(str(tmp), mode="w")
+            out = group.create_array("0", shape=array.shape, dtype=array.dtype, chunks=chunks)
+            group.attrs["ome"] = ome_attributes(grid)
+        else:
+            out = zarr.create_array(str(tmp), shape=array.shape, dtype=array.dtype, chunks=chunks)
+            if grid.spacing is not None:
+                out.attrs["geometry"] = grid.to_dict()
         out[...] = array
         if path.exists():
             os.replace(path, old)
@@ -162,10 +298,42 @@ def write_zarr(path: Path | str, array: np.ndarray) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def ome_attributes(grid: Geometry) -> dict:
+    """OME-Zarr 0.5 image metadata of one full-resolution level on ``grid``."""
+    unit = OME_UNITS.get(grid.unit)
+    axes = [{"name": n, "type": "space", **({"unit": unit} if unit else {})} for n in "zyx"]
+    transforms = [{"type": "scale", "scale": list(grid.spacing or (1.0, 1.0, 1.0))}]
+    if grid.origin is not None:
+        transforms.append({"type": "translation", "translation": list(grid.origin)})
+    dataset = {"path": "0", "coordinateTransformations": transforms}
+    return {"version": "0.5", "multiscales": [{"axes": axes, "datasets": [dataset]}]}
+
+
+def write_tiff(path: Path | str, array: np.ndarray, grid: Geometry) -> None:
+    """A TIFF stack; with a physical spacing, an ImageJ hyperstack carrying it (X/Y resolution
+    tags, ``spacing`` and ``unit``), which ImageJ/Fiji and tifffile read back. ImageJ stores
+    no origin or orientation."""
+    import tifffile
+
+    imagej_types = (np.uint8, np.uint16, np.float32)
+    if grid.is_physical and array.dtype in imagej_types:
+        z, y, x = grid.spacing
+        tifffile.imwrite(
+            path,
+            array,
+            imagej=True,
+            resolution=(1.0 / x, 1.0 / y),
+            metadata={"spacing": z, "unit": grid.unit, "axes": "ZYX"},
+        )
+    else:
+        tifffile.imwrite(path, array)
+
+
 def write_volume(path: Path | str, array: np.ndarray, meta: VolumeMeta) -> None:
-    """Write atomically (temporary file in the same folder, then rename) in ``meta``'s format."""
+    """Write atomically (temporary file in the same folder, then rename) in ``meta``'s format,
+    on ``meta``'s grid."""
     if meta.ext == ".zarr":
-        write_zarr(path, array)
+        write_zarr(path, array, meta)
         return
     with atomic_path(path, suffix=meta.ext) as tmp:
         if meta.ext in (".nii", ".nii.gz"):
@@ -176,9 +344,7 @@ def write_volume(path: Path | str, array: np.ndarray, meta: VolumeMeta) -> None:
             img.set_data_dtype(array.dtype)
             nib.save(img, tmp)
         elif meta.ext in (".tif", ".tiff"):
-            import tifffile
-
-            tifffile.imwrite(tmp, array)
+            write_tiff(tmp, array, meta.grid)
         else:
             with open(tmp, "wb") as f:
                 np.save(f, array)

@@ -215,27 +215,34 @@ def _place_grains(shape: Sequence[int], rng: np.random.Generator) -> _Grains:
 
 
 def _render_grains(
-    shape: Sequence[int], grains: _Grains, roughness: np.ndarray
+    shape: Sequence[int],
+    grains: _Grains,
+    roughness: np.ndarray,
+    sides: Sequence[float] = (1.0, 1.0, 1.0),
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per voxel: id of the grain owning it (-1: matrix) and its normalised radius (<1 inside).
 
     Loops over grains (hundreds to a few thousand), each a vectorised bounding-box update;
     where grains overlap the voxel goes to the grain it is relatively deeper in, so touching
-    grains meet at a curved contact instead of interpenetrating.
+    grains meet at a curved contact instead of interpenetrating. ``sides``: each axis's voxel
+    side in units of the smallest (grains are placed in those physical units, so on a grid of
+    thick slices a round grain spans fewer slices).
     """
     best = np.full(shape, np.inf, dtype=np.float32)
     owner = np.full(shape, -1, dtype=np.int32)
     pad = 1.0 + SHAPE_NOISE * ROUGHNESS_CLIP
+    side = np.asarray(sides, dtype=np.float64)
+    scale = [np.float32(v) for v in sides]
     for g in range(grains.centres.shape[0]):
         c = grains.centres[g]
         ext = grains.reach[g] * pad + 1
-        lo = np.maximum(np.floor(c - ext).astype(int), 0)
-        hi = np.minimum(np.ceil(c + ext).astype(int) + 1, shape)
+        lo = np.maximum(np.floor((c - ext) / side).astype(int), 0)
+        hi = np.minimum(np.ceil((c + ext) / side).astype(int) + 1, shape)
         if np.any(hi <= lo):
             continue
-        z = np.arange(lo[0], hi[0], dtype=np.float32)[:, None, None] - c[0]
-        y = np.arange(lo[1], hi[1], dtype=np.float32)[None, :, None] - c[1]
-        x = np.arange(lo[2], hi[2], dtype=np.float32)[None, None, :] - c[2]
+        z = np.arange(lo[0], hi[0], dtype=np.float32)[:, None, None] * scale[0] - c[0]
+        y = np.arange(lo[1], hi[1], dtype=np.float32)[None, :, None] * scale[1] - c[1]
+        x = np.arange(lo[2], hi[2], dtype=np.float32)[None, None, :] * scale[2] - c[2]
         m = grains.inv[g].astype(np.float32)
         u = [m[i, 0] * z + m[i, 1] * y + m[i, 2] * x for i in range(3)]
         rho = np.sqrt(u[0] ** 2 + u[1] ** 2 + u[2] ** 2)
@@ -275,10 +282,13 @@ def make_grain_volume(
     shape: Sequence[int] = DEFAULT_SHAPE,
     rng: np.random.Generator | None = None,
     phases: int | None = None,
+    spacing: Sequence[float] | None = None,
 ) -> SyntheticVolume:
     """:func:`make_volume` with the instance map of the grains it drew (no extra random draws,
     so the image and label are those of ``make_volume`` with the same generator state).
-    ``phases``: the label is the class map of ``PHASES[phases]`` instead (same image)."""
+    ``phases``: the label is the class map of ``PHASES[phases]`` instead (same image).
+    ``spacing``: the voxel size (z, y, x); grains keep their physical size, so an axis with
+    thicker voxels cuts them into fewer of them (None: isotropic)."""
     if phases is not None and phases not in PHASES:
         raise ValueError(f"phases must be one of {sorted(PHASES)}, got {phases}")
     shape = tuple(int(s) for s in shape)
@@ -292,8 +302,9 @@ def make_grain_volume(
     sample = roughness.ravel()[:: max(roughness.size // 200_000, 1)]
     roughness *= f32(SHAPE_NOISE / (sample.std() + 1e-12))
     np.clip(roughness, -SHAPE_NOISE * ROUGHNESS_CLIP, SHAPE_NOISE * ROUGHNESS_CLIP, out=roughness)
-    grains = _place_grains(shape, rng)
-    owner, rho = _render_grains(shape, grains, roughness)
+    sides = (1.0, 1.0, 1.0) if spacing is None else tuple(v / min(spacing) for v in spacing)
+    grains = _place_grains(tuple(n * v for n, v in zip(shape, sides)), rng)
+    owner, rho = _render_grains(shape, grains, roughness, sides)
     label = rho < 1.0
     owner[~label] = -1
     instances = instance_map(owner)
@@ -499,18 +510,30 @@ def multi_threshold_search(
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
-def _encode(arr: np.ndarray, fmt: str, path: Path) -> None:
+def _encode(arr: np.ndarray, fmt: str, path: Path, spacing: Sequence[float]) -> None:
+    """``spacing`` (z, y, x, mm) goes where the format keeps it: the NIfTI affine, an ImageJ
+    TIFF's resolution, spacing and unit (for the dtypes ImageJ stores); ``.npy`` keeps none."""
     if fmt == "npy":
         with open(path, "wb") as fh:
             np.save(fh, arr)
     elif fmt == "tif":
         import tifffile
 
-        tifffile.imwrite(path, arr, photometric="minisblack", metadata={"axes": "ZYX"})
+        z, y, x = spacing
+        if arr.dtype in (np.uint8, np.uint16, np.float32):
+            tifffile.imwrite(
+                path,
+                arr,
+                imagej=True,
+                resolution=(1.0 / x, 1.0 / y),
+                metadata={"axes": "ZYX", "spacing": z, "unit": "mm"},
+            )
+        else:
+            tifffile.imwrite(path, arr, photometric="minisblack", metadata={"axes": "ZYX"})
     elif fmt == "nii.gz":
         import nibabel as nib
 
-        affine = np.diag([VOXEL_SIZE_MM] * 3 + [1.0])
+        affine = np.diag([*spacing, 1.0])
         img = nib.Nifti1Image(arr, affine)
         img.header.set_data_dtype(arr.dtype)
         img.header.set_xyzt_units("mm")
@@ -521,12 +544,18 @@ def _encode(arr: np.ndarray, fmt: str, path: Path) -> None:
         raise ValueError(f"unknown format {fmt!r}")
 
 
-def write_array(arr: np.ndarray, path: str | os.PathLike, fmt: str) -> None:
-    """Write ``arr`` (D, H, W) to ``path`` in ``fmt``: to a temporary name, then rename."""
+def write_array(
+    arr: np.ndarray,
+    path: str | os.PathLike,
+    fmt: str,
+    spacing: Sequence[float] = (VOXEL_SIZE_MM,) * 3,
+) -> None:
+    """Write ``arr`` (D, H, W) with its voxel ``spacing`` (mm) to ``path`` in ``fmt``: to a
+    temporary name, then rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        _encode(arr, fmt, tmp)
+        _encode(arr, fmt, tmp, spacing)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -548,6 +577,7 @@ def generate(
     overwrite: bool = False,
     log=print,
     phases: int | None = None,
+    spacing: Sequence[float] | None = None,
 ) -> ThresholdResult | MultiThresholdResult:
     """Write both splits under ``out``; returns the val split's global-threshold baseline (with
     ``phases``: the class-map labels and the val split's multi-threshold floor)."""
@@ -595,11 +625,11 @@ def generate(
         images, labels = [], []
         for i in range(counts[split]):
             image, label, instances = make_grain_volume(
-                shape, _volume_rng(seed, split_id, i), phases
+                shape, _volume_rng(seed, split_id, i), phases, spacing
             )
             name = f"grain_{i:03d}.{fmt}"
             for kind, array in zip(KINDS, (image, label, instances), strict=True):
-                write_array(array, out / split / kind / name, fmt)
+                write_array(array, out / split / kind / name, fmt, spacing or (VOXEL_SIZE_MM,) * 3)
             fg += float(np.count_nonzero(label)) / label.size
             if split == "val_patches":
                 images.append(image)
@@ -656,6 +686,16 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=list(DEFAULT_SHAPE),
         help="volume shape, z y x (default 74 320 320)",
     )
+    p.add_argument(
+        "--spacing",
+        type=float,
+        nargs=3,
+        metavar=("Z", "Y", "X"),
+        default=None,
+        help=f"voxel size in mm, z y x (default {VOXEL_SIZE_MM} on every axis), written in the "
+        "NIfTI affine and the TIFF (ImageJ) metadata; grains keep their physical size, so "
+        "3 1 1 scans them in slices three times as thick",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--format", choices=FORMATS, default="nii.gz", help="file format")
     p.add_argument(
@@ -684,6 +724,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--n-val must be at least 1, got {args.n_val}")
     if args.seed < 0:
         p.error(f"--seed must be non-negative, got {args.seed}")
+    if args.spacing is not None and not all(v > 0 for v in args.spacing):
+        p.error(f"--spacing: every voxel side must be positive, got {args.spacing}")
     return args
 
 
@@ -699,6 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.format,
             overwrite=args.overwrite,
             phases=args.phases,
+            spacing=args.spacing,
         )
     except (FileExistsError, OSError) as exc:
         print(f"make_synthetic.py: error: {exc}", file=sys.stderr)

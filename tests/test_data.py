@@ -11,8 +11,9 @@ from app.volume_io import VolumeMeta, read_volume, write_volume
 
 
 def replace_file(path, array, ext=".nii.gz"):
+    """New voxels on the replaced file's grid (write_dataset's 0.5 mm)."""
     path.unlink()
-    write_volume(path, array, VolumeMeta(ext, affine=np.eye(4)))
+    write_volume(path, array, VolumeMeta(ext, affine=np.diag([0.5, 0.5, 0.5, 1.0])))
 
 
 @pytest.mark.parametrize("ext", [".nii.gz", ".nii", ".tif", ".tiff", ".npy"])
