@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from app.labels import LabelScheme, label_scheme, name_problems
+from app.model import min_sizes, pool_kernels
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,13 @@ class Config:
     # model
     f_maps: int = _opt(32, "feature maps of the first U-Net level (doubled at each level)", "model")
     depth: int = _opt(4, "U-Net levels, counting the bottleneck", "model")
+    pool_kernels: list[int] = _opt(
+        [],
+        "pooling of axes D H W at each of the depth - 1 levels, 1 or 2, flattened (1 2 2 2 2 2 "
+        "2 2 2: depth 4, the first level leaves D, for thick slices); none: 2 on every axis. "
+        "--plan auto sets it from the voxel spacing",
+        "model",
+    )
     norm: Literal["batch", "instance", "group", "none"] = _opt(
         "batch",
         "normalisation layer: batch (SyncBatchNorm under DDP on CUDA); instance or group, which "
@@ -398,11 +406,19 @@ def validate(cfg: Config) -> None:
     need(cfg.depth >= 2, "depth", "must be at least 2")
     for name, problem in name_problems(cfg.num_classes, cfg.class_names):
         need(False, name, problem)
-    smallest = 2 ** (cfg.depth - 1)
+    try:
+        smallest = min_sizes(pool_kernels(cfg.depth, cfg.pool_kernels))
+    except ValueError as exc:
+        need(False, "pool_kernels", str(exc))
     need(
-        min(cfg.patch_size) >= smallest,
+        all(s >= m for s, m in zip(cfg.patch_size, smallest)),
         "patch_size",
-        f"must be at least {smallest} on every axis for --depth {cfg.depth}",
+        f"must be at least {' '.join(map(str, smallest))} (D H W) for --depth {cfg.depth}"
+        + (
+            f" and --pool-kernels {' '.join(map(str, cfg.pool_kernels))}"
+            if cfg.pool_kernels
+            else ""
+        ),
     )
     need(
         not cfg.augment or cfg.augment_level != "rot90" or cfg.patch_size[1] == cfg.patch_size[2],

@@ -3,11 +3,34 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 NORMS = ("batch", "instance", "group", "none")
+Kernel = tuple[int, int, int]
+
+
+def pool_kernels(depth: int, flat: list[int] | tuple[int, ...] = ()) -> list[Kernel]:
+    """The pooling of axes D H W at each of the ``depth - 1`` levels: ``flat`` (three 1-or-2
+    entries per level, as the config stores them), or 2 on every axis when it is empty."""
+    if not flat:
+        return [(2, 2, 2)] * (depth - 1)
+    if len(flat) != 3 * (depth - 1) or any(k not in (1, 2) for k in flat):
+        raise ValueError(
+            f"pool kernels {list(flat)}: need 3 x (depth - 1) = {3 * (depth - 1)} entries of 1 or 2"
+        )
+    return [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]  # type: ignore[misc]
+
+
+def min_sizes(kernels: list[Kernel]) -> Kernel:
+    """Smallest input per axis: every pooling level needs at least 2 voxels along the axes it
+    pools, so an axis needs the product of its kernels."""
+    return tuple(math.prod(k[axis] for k in kernels) for axis in range(3))  # type: ignore[return-value]
+
+
 GROUP_CHANNELS = 8  # channels per GroupNorm group: our narrowest level has 8
 BLOCKS = ("plain", "residual")
 
@@ -93,9 +116,11 @@ class Up(nn.Module):
     so any input size works without padding or cropping.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, norm: str = "batch"):
+    def __init__(
+        self, in_channels: int, out_channels: int, norm: str = "batch", kernel: Kernel = (2, 2, 2)
+    ):
         super().__init__()
-        self.up = nn.ConvTranspose3d(in_channels, out_channels, kernel_size=2, stride=2)
+        self.up = nn.ConvTranspose3d(in_channels, out_channels, kernel_size=kernel, stride=kernel)
         self.conv = DoubleConv(2 * out_channels, out_channels, norm)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
@@ -105,7 +130,9 @@ class Up(nn.Module):
 
 class UNet3d(nn.Module):
     """Encoder of ``depth`` levels (``f_maps * 2**i`` channels; ``block`` plain or residual),
-    decoder with skip connections.
+    decoder with skip connections. ``pools``: each level's pooling of axes D H W (default 2 on
+    every axis; an axis of thick slices is left unpooled at the first levels, as nnU-Net does,
+    so that the bottleneck sees a roughly isotropic field).
 
     Returns logits with the input's spatial shape; the sigmoid lives in the loss, metrics and
     prediction, where it is computed in float32.
@@ -119,11 +146,15 @@ class UNet3d(nn.Module):
         depth: int = 4,
         norm: str = "batch",
         block: str = "plain",
+        pools: list[Kernel] | None = None,
     ):
         super().__init__()
         encoder = encoder_block(block)
         if depth < 2:
             raise ValueError(f"depth must be at least 2, got {depth}")
+        self.pools = pool_kernels(depth) if pools is None else list(pools)
+        if len(self.pools) != depth - 1:
+            raise ValueError(f"{len(self.pools)} pool kernels for depth {depth}")
         widths = [f_maps * 2**i for i in range(depth)]
         # With a per-sample norm (instance, group) the first convolution (with a bias) feeds its
         # ReLU directly: normalising there would rescale the raw intensities by each patch's own
@@ -134,24 +165,27 @@ class UNet3d(nn.Module):
         stem = norm != "batch"
         self.encoders = nn.ModuleList([encoder(n_channels, widths[0], norm, stem)])
         self.encoders.extend(encoder(a, b, norm) for a, b in itertools.pairwise(widths))
-        self.decoders = nn.ModuleList(Up(a, b, norm) for a, b in zip(widths[::-1], widths[-2::-1]))
-        self.pool = nn.MaxPool3d(2)
+        self.decoders = nn.ModuleList(
+            Up(a, b, norm, k) for a, b, k in zip(widths[::-1], widths[-2::-1], reversed(self.pools))
+        )
         self.head = nn.Conv3d(widths[0], n_classes, kernel_size=1)
 
     @property
-    def min_size(self) -> int:
-        """Smallest spatial size per axis: every pooling level needs at least 2 voxels."""
-        return 2 ** (len(self.encoders) - 1)
+    def min_size(self) -> Kernel:
+        """Smallest spatial size per axis (see :func:`min_sizes`)."""
+        return min_sizes(self.pools)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if any(s < self.min_size for s in x.shape[-3:]):
+        need = self.min_size
+        if any(s < m for s, m in zip(x.shape[-3:], need)):
+            least = need[0] if len(set(need)) == 1 else need
             raise ValueError(
-                f"input {tuple(x.shape[-3:])} is smaller than {self.min_size} voxels "
-                f"on an axis; this depth needs at least {self.min_size}"
+                f"input {tuple(x.shape[-3:])} is smaller than {least} voxels on an axis; "
+                f"this depth and pooling need at least {least}"
             )
         skips = []
         for i, encoder in enumerate(self.encoders):
-            x = encoder(x if i == 0 else self.pool(x))
+            x = encoder(x if i == 0 else F.max_pool3d(x, self.pools[i - 1]))
             skips.append(x)
         for decoder, skip in zip(self.decoders, reversed(skips[:-1])):
             x = decoder(x, skip)
@@ -223,9 +257,9 @@ def resolve_memory_format(setting: str, device: torch.device) -> str:
 
 def build_model(cfg, device: torch.device) -> UNet3d:
     """The configured UNet3d on ``device``, in the configured memory format."""
-    model = UNet3d(1, cfg.labels.head_channels, cfg.f_maps, cfg.depth, cfg.norm, cfg.block).to(
-        device
-    )
+    pools = pool_kernels(cfg.depth, cfg.pool_kernels)
+    model = UNet3d(1, cfg.labels.head_channels, cfg.f_maps, cfg.depth, cfg.norm, cfg.block, pools)
+    model = model.to(device)
     if resolve_memory_format(cfg.memory_format, device) == "channels_last":
         use_channels_last(model)
     return model

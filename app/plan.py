@@ -68,6 +68,10 @@ NORMALISATION_MARGIN = 0.01  # band Dice a normalisation must gain over the per-
 MAX_DEPTH = 4
 ENCODER_BLOCK = "residual"  # above the MNI152 floor sooner than plain, higher at 900 s (README)
 MIN_BOTTOM = 4  # voxels per axis left at the bottom of the U-Net (nnU-Net's minimum edge)
+# Voxels whose largest side is more than this many times their smallest are anisotropic: the
+# plan then pools each axis by its spacing (nnU-Net: an axis is pooled while its spacing is at
+# most twice the smallest, so the thick axis waits until the others have caught up with it).
+ANISOTROPY = 2.0
 # A training epoch's time per step over the probe's (data loading, worker start-up, progress),
 # 2 processes on 2 cores, on the MNI152 runs of README "Quality on real data": 1.43 on an AMD
 # EPYC Zen 4; 1.42-1.52 on an Intel Xeon with AMX (a 1.3 planned 10 s epochs that took 11-12 s).
@@ -238,13 +242,29 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
         list(patch),
         f"{why}, shaped like the median volume {'x'.join(map(str, data.median_shape))}",
     )
-    depth = depth_for(patch)
-    plan.choose(
-        "depth",
-        depth,
-        f"{depth - 1} poolings leave at least {MIN_BOTTOM} voxels of {min(patch)} (as nnU-Net; "
-        "2 voxels deep also hit a bf16 kernel bug, app.kernel_check)",
-    )
+    pools = pooling_for(patch, data.spacing)
+    depth = len(pools) + 1 if pools else depth_for(patch)
+    if pools:
+        sides = "x".join(f"{s:.3g}" for s in data.spacing)
+        plan.choose(
+            "depth",
+            depth,
+            f"anisotropic voxels ({sides}): {depth - 1} poolings, each of the axes whose voxel "
+            f"side is at most {ANISOTROPY:g}x the smallest so far, leaving at least "
+            f"{MIN_BOTTOM} voxels (as nnU-Net)",
+        )
+        plan.choose(
+            "pool_kernels",
+            [k for kernel in pools for k in kernel],
+            "per level D H W: " + ", ".join("x".join(map(str, k)) for k in pools),
+        )
+    else:
+        plan.choose(
+            "depth",
+            depth,
+            f"{depth - 1} poolings leave at least {MIN_BOTTOM} voxels of {min(patch)} (as "
+            "nnU-Net; 2 voxels deep also hit a bf16 kernel bug, app.kernel_check)",
+        )
     plan.choose(
         "block",
         ENCODER_BLOCK,
@@ -313,6 +333,30 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
         "(the last epoch is always validated)",
     )
     return plan
+
+
+def pooling_for(
+    patch: tuple[int, int, int], spacing: tuple[float, float, float] | None
+) -> list[tuple[int, int, int]]:
+    """Per-level pooling of axes D H W for anisotropic voxels, or [] for (nearly) isotropic
+    ones (their plan pools every axis at every level, :func:`depth_for`). A level pools each
+    axis whose current voxel side is at most :data:`ANISOTROPY` times the smallest and that
+    keeps :data:`MIN_BOTTOM` voxels; levels stop at :data:`MAX_DEPTH` or when no axis pools."""
+    if spacing is None or max(spacing) <= ANISOTROPY * min(spacing):
+        return []
+    side, size = list(spacing), list(patch)
+    pools: list[tuple[int, int, int]] = []
+    while len(pools) < MAX_DEPTH - 1:
+        kernel = tuple(
+            2 if side[a] <= ANISOTROPY * min(side) and size[a] // 2 >= MIN_BOTTOM else 1
+            for a in range(3)
+        )
+        if kernel == (1, 1, 1):
+            break
+        pools.append(kernel)  # type: ignore[arg-type]
+        side = [s * k for s, k in zip(side, kernel)]
+        size = [n // k for n, k in zip(size, kernel)]
+    return pools
 
 
 def depth_for(patch: tuple[int, ...]) -> int:
@@ -420,6 +464,8 @@ def apply_plan(cfg: Config, given: set[str], plan: Plan) -> Config:
     import dataclasses
 
     values = {k: v for k, v in plan.values.items() if k not in given}
+    if "depth" in given and len(values.get("pool_kernels", [])) != 3 * (cfg.depth - 1):
+        values.pop("pool_kernels", None)  # the plan's pooling is for its own depth
     if "patch_size" in values:
         values["patch_size"] = tuple(values["patch_size"])
     planned = dataclasses.replace(cfg, **values)

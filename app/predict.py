@@ -64,7 +64,7 @@ from app.distributed import barrier, distributed_session, gather_object, reduce_
 from app.ema import inference_weights
 from app.inference import predict_logits
 from app.labels import BINARY, LabelError, LabelScheme
-from app.model import build_model
+from app.model import build_model, min_sizes, pool_kernels
 from app.precision import Precision, build_precision
 from app.validation import shard
 from app.volume_io import (
@@ -150,13 +150,13 @@ class Predictor:
         )
 
 
-def check_window(window, depth: int, flag: str = "--window") -> tuple[int, int, int]:
+def check_window(window, cfg: Config, flag: str = "--window") -> tuple[int, int, int]:
     window = tuple(int(s) for s in window)
-    need = 2 ** (depth - 1)
-    if len(window) != 3 or any(s < need for s in window):
+    need = min_sizes(pool_kernels(cfg.depth, cfg.pool_kernels))
+    if len(window) != 3 or any(s < n for s, n in zip(window, need)):
         raise PredictError(
             f"{flag} {' '.join(map(str, window))}: needs three sizes D H W of at "
-            f"least {need} voxels (the model has {depth} levels)"
+            f"least {' '.join(map(str, need))} voxels (the model has {cfg.depth} levels)"
         )
     return window  # type: ignore[return-value]
 
@@ -191,7 +191,7 @@ def build_predictor(
 ) -> Predictor:
     """UNet3d with the checkpoint's weights on ``device``, in eval mode, under ``cfg``'s
     precision; ``None`` settings come from the checkpoint's config."""
-    window = check_window(window or cfg.patch_size, cfg.depth)
+    window = check_window(window or cfg.patch_size, cfg)
     overlap = cfg.sw_overlap if overlap is None else overlap
     if not 0.0 <= overlap < 1.0:
         raise PredictError(f"--overlap must be within [0, 1), got {overlap}")
@@ -204,8 +204,8 @@ def build_predictor(
     except (RuntimeError, TypeError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"{path}: weights do not fit UNet3d(f_maps={cfg.f_maps}, "
-            f"depth={cfg.depth}, block={cfg.block}) of its own config ({first})"
+            f"{path}: weights do not fit UNet3d(f_maps={cfg.f_maps}, depth={cfg.depth}, "
+            f"block={cfg.block}, pool_kernels={cfg.pool_kernels}) of its own config ({first})"
         ) from exc
     precision = build_precision(cfg, device)
     model = model.eval()
@@ -456,7 +456,7 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
     except LabelError as exc:
         raise PredictError(str(exc)) from exc
     if args.window is not None:
-        check_window(args.window, trained.depth)
+        check_window(args.window, trained)
     jobs = plan(list_inputs(args.input), args.output, args.save, trained.labels)
     check_output(args.output, args.input, jobs, args.overwrite)
 
