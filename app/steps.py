@@ -1,6 +1,6 @@
-"""The training step, shared by the loop (``app.train``), the auto probe (``app.autotune``) and
-the benchmarks (``bench/``): the optimizer, one epoch of steps, and a stepper on synthetic data
-that runs exactly that step so that what is timed is what trains.
+"""The training step, shared by the loop (``app.engine``), the auto probe (``app.autotune``) and
+the benchmarks (``bench/``): the optimizer and its schedule, one epoch of steps, and a stepper on
+synthetic data that runs exactly that step so that what is timed is what trains.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, MultiStepLR
 
 from app.config import Config
 from app.distributed import DistEnv, prepare, reduce_tensor, unwrap
@@ -40,6 +41,17 @@ def build_optimizer(
         weight_decay=cfg.weight_decay,
         fused=backend == "native" and env.device.type in ("cpu", "cuda"),
     )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRScheduler:
+    """MultiStepLR over epochs, after an optional linear warmup; stepped once per epoch."""
+    multistep = MultiStepLR(optimizer, milestones=list(cfg.milestones), gamma=cfg.gamma)
+    if not cfg.warmup_epochs:
+        return multistep
+    warmup = LinearLR(
+        optimizer, start_factor=1.0 / (cfg.warmup_epochs + 1), total_iters=cfg.warmup_epochs
+    )
+    return ChainedScheduler([warmup, multistep], optimizer=optimizer)
 
 
 @dataclass(frozen=True)
