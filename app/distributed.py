@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from app.config import Config, ConfigError
-from app.precision import Precision, import_apex
+from app.precision.amp import Precision, import_apex
 
 log = logging.getLogger(__name__)
 

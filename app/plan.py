@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.analysis.floor import best_band
 from app.config import Config, ConfigError, validate
-from app.data import (
+from app.data.dataset import (
     SPLITS,
     DataError,
     Normalization,
@@ -38,9 +39,8 @@ from app.data import (
     load_split,
     pair_files,
 )
-from app.floor import best_band
+from app.data.volume_io import VolumeError, volume_header
 from app.labels import label_scheme, name_problems
-from app.volume_io import VolumeError, volume_header
 
 log = logging.getLogger("app.plan")
 
@@ -243,7 +243,7 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
         "depth",
         depth,
         f"{depth - 1} poolings leave at least {MIN_BOTTOM} voxels of {min(patch)} (as nnU-Net; "
-        "2 voxels deep also hit a bf16 kernel bug, app.kernel_check)",
+        "2 voxels deep also hit a bf16 kernel bug, app.precision.kernel_check)",
     )
     plan.choose(
         "block",
@@ -374,13 +374,13 @@ def data_fingerprint(root: Path | str, num_classes: int = 1) -> DataFingerprint:
 
 def device_fingerprint(device: torch.device, processes: int) -> DeviceFingerprint:
     """The device, its memory and the training step at :data:`REFERENCE_PATCH`, timed by the
-    precision and memory-format probe (``app.autotune``) in its fastest setting, as training
+    precision and memory-format probe (``app.precision.auto``) in its fastest setting, as training
     will run it. No collective: under ``--plan auto`` only rank 0 plans."""
     import os
 
-    from app import autotune
     from app.distributed import DistEnv
-    from app.hardware import detect
+    from app.precision import auto as autotune
+    from app.precision.hardware import detect
 
     cpu = device.type == "cpu"
     if cpu:
@@ -435,7 +435,7 @@ def plan_for(cfg: Config, device: torch.device, processes: int) -> Plan:
 def main(argv: list[str] | None = None) -> int:
     from app.atomic import atomic_write_bytes
     from app.distributed import resolve_device
-    from app.hardware import machine_line
+    from app.precision.hardware import machine_line
 
     parser = argparse.ArgumentParser(prog="python -m app.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--data-root", required=True, type=Path)

@@ -17,15 +17,15 @@ from typing import Any
 import torch
 
 from app.atomic import os_cause
-from app.checkpoint import CheckpointError
 from app.config import Config, ConfigError, load_config_and_given
-from app.data import DataError
+from app.data.dataset import DataError
+from app.data.volume_io import VolumeError
 from app.distributed import DistEnv, distributed_session
+from app.engine.checkpoint import CheckpointError
+from app.engine.preemption import Preempted, StopSignals
 from app.engine.resolve import resolve
+from app.engine.steps import NonFiniteError
 from app.engine.trainer import build
-from app.preemption import Preempted, StopSignals
-from app.steps import NonFiniteError
-from app.volume_io import VolumeError
 
 log = logging.getLogger("app.train")
 USER_ERRORS = (ConfigError, DataError, VolumeError, CheckpointError, NonFiniteError)

@@ -2,9 +2,9 @@
 
 ``save_last`` writes ``last.pt`` at an epoch's end (and ``best.pt`` when its Dice is the best so
 far), ``save_recovery`` writes ``last.pt`` mid-epoch with the position in the epoch and every
-rank's generators (``app.preemption`` calls it), ``restore`` loads a checkpoint into the parts.
-Rank 0 writes; a failed write stops every rank (``run_on_primary``). The format is
-``app.checkpoint``'s: the same keys as every earlier ``last.pt``, so old runs resume.
+rank's generators (``app.engine.preemption`` calls it), ``restore`` loads a checkpoint into the
+parts. Rank 0 writes; a failed write stops every rank (``run_on_primary``). The format is
+``app.engine.checkpoint``'s: the same keys as every earlier ``last.pt``, so old runs resume.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from app.checkpoint import FORMAT_VERSION, CheckpointError, checkpoint_dir, save_checkpoint
-from app.data import Normalization
+from app.data.dataset import Normalization
 from app.distributed import run_on_primary
+from app.engine.checkpoint import FORMAT_VERSION, CheckpointError, checkpoint_dir, save_checkpoint
+from app.engine.epoch_position import EpochPosition
 from app.engine.parts import AverageState, ModelWeights, OptimizerState, Progress, RandomState
-from app.epoch_position import EpochPosition
 from app.plan import Plan
-from app.precision import Precision
+from app.precision.amp import Precision
 
 log = logging.getLogger("app.train")
 WRITE_ERRORS = (OSError, CheckpointError)  # what rank 0's writes at the end of an epoch raise

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from app.analysis.floor import class_floors_from_volumes, floors_from_volumes
 from app.config import Config
-from app.data import DataError, Normalization, PatchDataset, load_train_val
+from app.data.dataset import DataError, Normalization, PatchDataset, load_train_val
+from app.data.lazy import index_split, load_mapped_train_val
 from app.distributed import DistEnv, run_on_primary
-from app.epoch_position import EpochPosition, ResumableSampler
-from app.floor import class_floors_from_volumes, floors_from_volumes
+from app.engine.epoch_position import EpochPosition, ResumableSampler
 from app.labels import LabelScheme
-from app.lazy_data import index_split, load_mapped_train_val
 
 log = logging.getLogger("app.train")
 

@@ -12,9 +12,9 @@ import logging
 from app.config import save_config
 from app.distributed import DistEnv
 from app.engine.data import TrainData
+from app.engine.epoch_position import EpochPosition
+from app.engine.preemption import EpochControl
 from app.engine.resolve import ResolvedRun
-from app.epoch_position import EpochPosition
-from app.preemption import EpochControl
 
 log = logging.getLogger("app.train")
 
@@ -46,9 +46,10 @@ class PlanRefit(Hook):
 
 
 class Preemption(Hook):
-    """SIGTERM/SIGINT and time-based mid-epoch checkpoints (``app.preemption``): the control
+    """SIGTERM/SIGINT and time-based mid-epoch checkpoints (``app.engine.preemption``): the control
     learns each epoch's order at its start, checks after every step (inside
-    ``app.steps.train_one_epoch``) and stops at an epoch's end once its checkpoint is written."""
+    ``app.engine.steps.train_one_epoch``) and stops at an epoch's end once its checkpoint is
+    written."""
 
     def __init__(self, control: EpochControl, epochs: int):
         self.control, self.epochs = control, epochs

@@ -1,7 +1,7 @@
 """The parts of a trainer that own state, each with ``state_dict``/``load_state_dict``: what the
 checkpoint manager (``app.engine.checkpointer``) saves and restores, part by part.
 
-The scheduler and the precision (``app.precision``: GradScaler or apex ``amp``) already are such
+The scheduler and the precision (``app.precision.amp``: GradScaler or apex ``amp``) already are such
 parts; here are the others: the model's weights (saved unwrapped), the optimizer (whose kernel
 choice is this run's, not saved state), the weight average, the random generators (every rank's
 in a mid-epoch checkpoint), and the progress (epoch, best Dice, the last record, the
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.checkpoint import CheckpointError, rng_state, set_rng_state
 from app.config import Config, ConfigError
 from app.distributed import unwrap
-from app.ema import WeightAverage
+from app.engine.checkpoint import CheckpointError, rng_state, set_rng_state
+from app.engine.ema import WeightAverage
 
 log = logging.getLogger("app.train")
 

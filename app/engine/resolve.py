@@ -1,10 +1,10 @@
 """Resolve: the settings as given -> one resolved run, before anything is built.
 
 ``--plan auto`` fills what the user did not give from the data's fingerprint (rank 0 plans and
-broadcasts, or a resumed run keeps its own plan), ``app.autotune`` decides the ``auto`` precision
-and memory format, and the plan's samples per volume are fitted to the step the probe measured.
-The result, :class:`ResolvedRun`, is the only configuration the trainer reads (``cfg``); it keeps
-the settings as given for ``config.yaml`` and the reasons of every choice.
+broadcasts, or a resumed run keeps its own plan), ``app.precision.auto`` decides the ``auto``
+precision and memory format, and the plan's samples per volume are fitted to the step the probe
+measured. The result, :class:`ResolvedRun`, is the only configuration the trainer reads (``cfg``);
+it keeps the settings as given for ``config.yaml`` and the reasons of every choice.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.autotune import Decision, decide
-from app.checkpoint import load_checkpoint, resume_path
 from app.config import Config, ConfigError
-from app.data import DataError
+from app.data.dataset import DataError
+from app.data.volume_io import VolumeError
 from app.distributed import DistEnv, broadcast_object, run_on_primary
+from app.engine.checkpoint import load_checkpoint, resume_path
+from app.engine.preflight import check_data_root, check_output_dir
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
-from app.preflight import check_data_root, check_output_dir
-from app.volume_io import VolumeError
+from app.precision.auto import Decision, decide
 
 log = logging.getLogger("app.train")
 

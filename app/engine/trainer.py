@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from app.atomic import atomic_write_bytes
-from app.checkpoint import checkpoint_dir, remove_stale_temporaries
 from app.config import save_config
 from app.distributed import (
     DistEnv,
@@ -31,19 +30,20 @@ from app.distributed import (
     run_on_primary,
     unwrap,
 )
-from app.ema import WeightAverage, inference_weights
+from app.engine.checkpoint import checkpoint_dir, remove_stale_temporaries
 from app.engine.checkpointer import WRITE_ERRORS, Checkpointer, build_checkpointer
 from app.engine.data import TrainData
+from app.engine.ema import WeightAverage, inference_weights
 from app.engine.hooks import Hook, PlanRefit, Preemption
 from app.engine.parts import weight_average
+from app.engine.preemption import CheckpointClock, EpochControl, StopSignals, checkpoint_every_s
 from app.engine.resolve import ResolvedRun
+from app.engine.steps import build_optimizer, build_scheduler, check_steps_taken, train_one_epoch
+from app.engine.tracking import NullTracker, Tracker, make_tracker
+from app.engine.validation import EvalResult, ValidationCadence, evaluate
 from app.labels import build_loss
 from app.model import build_model
-from app.precision import Precision, build_precision
-from app.preemption import CheckpointClock, EpochControl, StopSignals, checkpoint_every_s
-from app.steps import build_optimizer, build_scheduler, check_steps_taken, train_one_epoch
-from app.tracking import NullTracker, Tracker, make_tracker
-from app.validation import EvalResult, ValidationCadence, evaluate
+from app.precision.amp import Precision, build_precision
 
 log = logging.getLogger("app.train")
 
@@ -195,7 +195,9 @@ class Trainer:
 
     def evaluate_only(self) -> dict[str, Any]:
         """``--eval-only``: score the checkpoint's inference weights, write ``eval.json``."""
-        self.evaluated.load_state_dict(inference_weights(self.run.resumed))  # as app.predict
+        self.evaluated.load_state_dict(
+            inference_weights(self.run.resumed)
+        )  # as app.analysis.predict
         result, _ = self.validate(self.evaluated)
         epoch = self.progress.epoch
         report = self.run.cfg.run_dir / "eval.json"

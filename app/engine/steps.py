@@ -1,6 +1,6 @@
-"""The training step, shared by the loop (``app.engine``), the auto probe (``app.autotune``) and
-the benchmarks (``bench/``): the optimizer and its schedule, one epoch of steps, and a stepper on
-synthetic data that runs exactly that step so that what is timed is what trains.
+"""The training step, shared by the loop (``app.engine``), the auto probe (``app.precision.auto``)
+and the benchmarks (``bench/``): the optimizer and its schedule, one epoch of steps, and a stepper
+on synthetic data that runs exactly that step so that what is timed is what trains.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, Mu
 
 from app.config import Config
 from app.distributed import DistEnv, prepare, reduce_tensor, unwrap
-from app.ema import WeightAverage
-from app.epoch_position import EpochPosition
+from app.engine.ema import WeightAverage
+from app.engine.epoch_position import EpochPosition
+from app.engine.preemption import NO_CONTROL, EpochControl, NullControl
+from app.engine.tracking import NullTracker, Tracker
 from app.labels import build_loss
 from app.model import build_model
-from app.precision import Precision, build_precision
-from app.preemption import NO_CONTROL, EpochControl, NullControl
-from app.tracking import NullTracker, Tracker
+from app.precision.amp import Precision, build_precision
 
 
 def scaled_lr(cfg: Config, world_size: int) -> float:
@@ -34,7 +34,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Adam over ``model``'s parameters. Fused (one kernel per step on CPU and CUDA) unless apex
     owns the step: the fused kernel also takes the non-finite flag on the device, so a skipped
-    step costs no host sync (``app.precision.NonFiniteGuard``)."""
+    step costs no host sync (``app.precision.amp.NonFiniteGuard``)."""
     return torch.optim.Adam(
         model.parameters(),
         lr=scaled_lr(cfg, env.world_size),
