@@ -69,7 +69,7 @@ class Config:
         "for voxels square in-plane); gamma: flips and MONAI's gamma change; spatial: flips "
         "and MONAI rotation, scaling and elastic deformation (flips, rot90 and spatial leave "
         "intensities untouched); basic: flips, brightness/contrast, noise, blur; full: basic, "
-        "spatial and gamma (app/augment.py)",
+        "spatial and gamma (app/data/augment.py)",
         "data",
     )
     num_workers: int = _opt(2, "DataLoader worker processes per training process", "data")
@@ -137,7 +137,7 @@ class Config:
     ema_decay: float = _opt(
         0.0,
         "keep an exponential moving average of the weights with this decay per step (e.g. "
-        "0.999); validation, best.pt and app.predict then use the average; 0 = off",
+        "0.999); validation, best.pt and app.analysis.predict then use the average; 0 = off",
         "optim",
     )
     bce_weight: float = _opt(

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from app.atomic import atomic_path, os_cause
-from app.data import SPLITS, DataError, pair_files
-from app.volume_io import VolumeError, read_volume, split_ext
+from app.data.dataset import SPLITS, DataError, pair_files
+from app.data.volume_io import VolumeError, read_volume, split_ext
 
 SLAB_BYTES = 256 << 20
 

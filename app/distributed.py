@@ -13,6 +13,7 @@ import datetime
 import gc
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +23,23 @@ import torch.distributed as dist
 from torch import nn
 
 from app.config import Config, ConfigError
-from app.precision import Precision, import_apex
+from app.precision.amp import Precision, import_apex
 
 log = logging.getLogger(__name__)
+
+
+# A collective that failed or timed out: another rank (or its node) is gone. Exit as a lost
+# connection (128 + SIGHUP) so that restart policies that retry only exit codes >= 128 (the
+# PyTorchJob's ExitCode policy) restart the job from last.pt; 1..127 would fail it for good.
+PEER_LOST_EXIT = 128 + signal.SIGHUP
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """A collective failed because another rank is gone: NCCL raises DistError; gloo a plain
+    RuntimeError from its transport ("Connection closed by peer", "Timed out waiting")."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and "gloo/transport" in str(exc)
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from app import fp32_ops
+from app.data.volume_io import VolumeError
 from app.losses import BCEDiceLoss, CEDiceLoss
 from app.metrics import class_counts, confusion_counts
-from app.volume_io import VolumeError
+from app.precision import ops as fp32_ops
 
 log = logging.getLogger(__name__)
 FOREGROUND_SAMPLES = 10_000  # candidate centres kept per volume for foreground oversampling
@@ -235,7 +235,7 @@ class BinaryLabels(LabelScheme):
         return kinds
 
     def output_arrays(self, probs, min_object_size=0, fill_holes=False):
-        from app.masks import clean_mask  # scipy and scikit-image, only when predicting
+        from app.analysis.masks import clean_mask  # scipy and scikit-image, only when predicting
 
         mask = clean_mask(self.mask_of_probabilities(probs), min_object_size, fill_holes)
         return {"probs": probs.astype(np.float32, copy=False), "mask": mask.astype(np.uint8)}

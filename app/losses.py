@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app import fp32_ops
+from app.precision import ops as fp32_ops
 
 
 class BCEDiceLoss(nn.Module):
@@ -26,7 +26,7 @@ class BCEDiceLoss(nn.Module):
     averaged over every voxel of the batch; the Dice term is computed per sample and averaged
     over the batch, so a sample without foreground still pushes its probabilities to 0. The
     smoothing term keeps the Dice defined (and equal to 1) when prediction and target are empty.
-    Both terms are computed from float32 logits through the fp32 sigmoid of ``app.fp32_ops``.
+    Both terms are computed from float32 logits through the fp32 sigmoid of ``app.precision.ops``.
     """
 
     def __init__(self, bce_weight: float = 1.0, dice_weight: float = 1.0, smooth: float = 1.0):
@@ -63,7 +63,7 @@ class CEDiceLoss(nn.Module):
     stable); the Dice is computed per sample and per foreground class :math:`c = 1 \dots K-1`
     and averaged over both, as nnU-Net leaves the background out of its Dice: background is most
     of a CT volume and its near-perfect Dice would dilute the classes that matter. The softmax
-    is the fp32 one of ``app.fp32_ops``; both terms are computed in float32.
+    is the fp32 one of ``app.precision.ops``; both terms are computed in float32.
     ``target`` is ``(B, 1, D, H, W)`` holding class indices (any dtype), as the patches carry it.
     """
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from app import fp32_ops
+from app.precision import ops as fp32_ops
 
 
 def confusion_counts(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

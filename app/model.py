@@ -249,7 +249,7 @@ def _to_channels_last(module: nn.Module, args: tuple) -> tuple:
 def resolve_memory_format(setting: str, device: torch.device) -> str:
     """``auto`` where nothing measured it (prediction, an old checkpoint): channels_last on CPU,
     measured faster on AVX2 and AMX CPUs; contiguous on CUDA. Training measures it instead
-    (``app.autotune``)."""
+    (``app.precision.auto``)."""
     if setting == "auto":
         return "channels_last" if device.type == "cpu" else "contiguous"
     return setting

@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.analysis.floor import best_band
 from app.config import Config, ConfigError, validate
-from app.data import (
+from app.data.dataset import (
     SPLITS,
     DataError,
     Normalization,
@@ -38,9 +39,15 @@ from app.data import (
     load_split,
     pair_files,
 )
-from app.floor import best_band
+from app.data.volume_io import VolumeError, volume_header
 from app.labels import label_scheme, name_problems
-from app.volume_io import VolumeError, volume_header
+from app.unet_shape import (
+    ANISOTROPY,
+    MIN_BOTTOM,
+    depth_for,
+    fit_patch,
+    pooling_for,
+)
 
 log = logging.getLogger("app.plan")
 
@@ -65,13 +72,7 @@ MIN_EPOCHS = 20  # epochs a budget is cut into at least, so that the milestones 
 VAL_SHARE = 0.1  # validation may take this share of the training time
 MILESTONE_FRACTIONS = (0.6, 0.85)
 NORMALISATION_MARGIN = 0.01  # band Dice a normalisation must gain over the per-volume z-score
-MAX_DEPTH = 4
 ENCODER_BLOCK = "residual"  # above the MNI152 floor sooner than plain, higher at 900 s (README)
-MIN_BOTTOM = 4  # voxels per axis left at the bottom of the U-Net (nnU-Net's minimum edge)
-# Voxels whose largest side is more than this many times their smallest are anisotropic: the
-# plan then pools each axis by its spacing (nnU-Net: an axis is pooled while its spacing is at
-# most twice the smallest, so the thick axis waits until the others have caught up with it).
-ANISOTROPY = 2.0
 # A training epoch's time per step over the probe's (data loading, worker start-up, progress),
 # 2 processes on 2 cores, on the MNI152 runs of README "Quality on real data": 1.43 on an AMD
 # EPYC Zen 4; 1.42-1.52 on an Intel Xeon with AMX (a 1.3 planned 10 s epochs that took 11-12 s).
@@ -263,7 +264,7 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
             "depth",
             depth,
             f"{depth - 1} poolings leave at least {MIN_BOTTOM} voxels of {min(patch)} (as "
-            "nnU-Net; 2 voxels deep also hit a bf16 kernel bug, app.kernel_check)",
+            "nnU-Net; 2 voxels deep also hit a bf16 kernel bug, app.precision.kernel_check)",
         )
     plan.choose(
         "block",
@@ -335,54 +336,6 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
     return plan
 
 
-def pooling_for(
-    patch: tuple[int, int, int], spacing: tuple[float, float, float] | None
-) -> list[tuple[int, int, int]]:
-    """Per-level pooling of axes D H W for anisotropic voxels, or [] for (nearly) isotropic
-    ones (their plan pools every axis at every level, :func:`depth_for`). A level pools each
-    axis whose current voxel side is at most :data:`ANISOTROPY` times the smallest and that
-    keeps :data:`MIN_BOTTOM` voxels; levels stop at :data:`MAX_DEPTH` or when no axis pools."""
-    if spacing is None or max(spacing) <= ANISOTROPY * min(spacing):
-        return []
-    side, size = list(spacing), list(patch)
-    pools: list[tuple[int, int, int]] = []
-    while len(pools) < MAX_DEPTH - 1:
-        kernel = tuple(
-            2 if side[a] <= ANISOTROPY * min(side) and size[a] // 2 >= MIN_BOTTOM else 1
-            for a in range(3)
-        )
-        if kernel == (1, 1, 1):
-            break
-        pools.append(kernel)  # type: ignore[arg-type]
-        side = [s * k for s, k in zip(side, kernel)]
-        size = [n // k for n, k in zip(size, kernel)]
-    return pools
-
-
-def depth_for(patch: tuple[int, ...]) -> int:
-    """U-Net levels: pool while every axis keeps at least :data:`MIN_BOTTOM` voxels."""
-    return max(2, min(MAX_DEPTH, 1 + int(math.log2(min(patch) / MIN_BOTTOM))))
-
-
-def fit_patch(median: tuple[int, int, int], voxels: float) -> tuple[int, int, int]:
-    """The median shape scaled by one factor on every axis to about ``voxels``; an axis that
-    would fall below 16 (three poolings) stays at 16 and the others share the rest. Each axis a
-    multiple of 8, never larger than the median shape rounded up to 8."""
-    limit = [max(16, 8 * math.ceil(s / 8)) for s in median]
-    size = [float(v) for v in limit]
-    free = [a for a in range(3) if limit[a] > 16]
-    while free:
-        fixed = math.prod(size[a] for a in range(3) if a not in free)
-        factor = min(1.0, (voxels / fixed / math.prod(limit[a] for a in free)) ** (1 / len(free)))
-        floored = [a for a in free if limit[a] * factor < 16]
-        for a in free:
-            size[a] = max(16.0, limit[a] * factor)
-        if not floored:
-            break
-        free = [a for a in free if a not in floored]
-    return tuple(max(16, 8 * int(v // 8)) for v in size)
-
-
 # ----------------------------------------------------------------------------- fingerprints
 def data_fingerprint(root: Path | str, num_classes: int = 1) -> DataFingerprint:
     """Read the training split (raw), and the validation split's shapes from the headers; with
@@ -418,13 +371,13 @@ def data_fingerprint(root: Path | str, num_classes: int = 1) -> DataFingerprint:
 
 def device_fingerprint(device: torch.device, processes: int) -> DeviceFingerprint:
     """The device, its memory and the training step at :data:`REFERENCE_PATCH`, timed by the
-    precision and memory-format probe (``app.autotune``) in its fastest setting, as training
+    precision and memory-format probe (``app.precision.auto``) in its fastest setting, as training
     will run it. No collective: under ``--plan auto`` only rank 0 plans."""
     import os
 
-    from app import autotune
     from app.distributed import DistEnv
-    from app.hardware import detect
+    from app.precision import auto as autotune
+    from app.precision.hardware import detect
 
     cpu = device.type == "cpu"
     if cpu:
@@ -481,7 +434,7 @@ def plan_for(cfg: Config, device: torch.device, processes: int) -> Plan:
 def main(argv: list[str] | None = None) -> int:
     from app.atomic import atomic_write_bytes
     from app.distributed import resolve_device
-    from app.hardware import machine_line
+    from app.precision.hardware import machine_line
 
     parser = argparse.ArgumentParser(prog="python -m app.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--data-root", required=True, type=Path)

@@ -2,7 +2,7 @@
 
     python bench/checkpoint_overhead.py --config configs/demo.yaml   # 2 gloo ranks, 1 thread each
 
-Three variants of the real step (``app.steps.train_one_epoch`` through ``prepare()``, 2 gloo
+Three variants of the real step (``app.engine.steps.train_one_epoch`` through ``prepare()``, 2 gloo
 processes as ``make demo`` runs them) are timed interleaved: ``off`` (no control, the step as
 before), ``agree`` (the ranks' agreement every ``--stop-check-every`` steps, no checkpoint due)
 and ``checkpoints`` (the agreement, plus a mid-epoch checkpoint written by rank 0 whenever
@@ -32,14 +32,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from app.config import ConfigError, load_config  # noqa: E402
-from app.data import Normalization  # noqa: E402
+from app.data.dataset import Normalization  # noqa: E402
 from app.distributed import DistEnv  # noqa: E402
-from app.epoch_position import EpochPosition  # noqa: E402
-from app.hardware import machine_line  # noqa: E402
-from app.preemption import NO_CONTROL, CheckpointClock, EpochControl, StopSignals  # noqa: E402
-from app.steps import SyntheticStepper, train_one_epoch  # noqa: E402
-from app.tracking import NullTracker  # noqa: E402
-from app.train import Saver, build_scheduler  # noqa: E402
+from app.engine.checkpointer import build_checkpointer  # noqa: E402
+from app.engine.epoch_position import EpochPosition  # noqa: E402
+from app.engine.preemption import NO_CONTROL, CheckpointClock, EpochControl, StopSignals  # noqa: E402
+from app.engine.steps import SyntheticStepper, build_scheduler, train_one_epoch  # noqa: E402
+from app.engine.tracking import NullTracker  # noqa: E402
+from app.precision.hardware import machine_line  # noqa: E402
 
 VARIANTS = ("off", "agree", "checkpoints")
 
@@ -50,22 +50,20 @@ def worker(rank: int, port: int, argv: list[str], args: dict, folder: str, out: 
     cfg = load_config([*argv, "--output-dir", folder])
     env = DistEnv(rank, rank, 2, torch.device("cpu"))
     stepper = SyntheticStepper(cfg, env)
-    saver = Saver(
+    checkpointer = build_checkpointer(
+        cfg.run_dir,
         stepper.model,
         stepper.optimizer,
         build_scheduler(stepper.optimizer, cfg),
         stepper.precision,
-        Normalization(cfg.normalization),
-        {},
-        None,
-        None,
         cfg,
+        Normalization(cfg.normalization),
     )
     writes: list[float] = []
 
     def write(position, rngs):  # the trainer's mid-epoch write, timed on every rank
         started = time.perf_counter()
-        saver.write_mid_epoch(position, rngs)
+        checkpointer.save_recovery(position, rngs)
         writes.append(time.perf_counter() - started)
 
     steps = args["steps"]

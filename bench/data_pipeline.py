@@ -11,7 +11,7 @@ file) a small set is generated in a temporary folder with ``datasets/make_synthe
 (``--gen-volumes`` volumes of ``--gen-shape``) and deleted at the end.
 
 What runs is the trainer's pipeline: ``load_split`` + ``PatchDataset`` (augmentation off, then
-each ``--augment-level``: flips, rot90, gamma, spatial, basic, full, see ``app/augment.py``) +
+each ``--augment-level``: flips, rot90, gamma, spatial, basic, full, see ``app/data/augment.py``) +
 ``DistributedSampler`` (one replica) + ``DataLoader`` with ``--num-workers`` and ``--batch-size``.
 One timed run is one epoch, ``set_epoch`` included, and includes starting the worker processes,
 since the trainer's workers are not persistent either. The modes alternate (epoch 1 off, flips, ...,
@@ -54,10 +54,10 @@ def load_by_path(name: str, path: Path) -> ModuleType:
 
 train_step = load_by_path("bench_train_step", ROOT / "bench" / "train_step.py")
 
-from app.augment import LEVELS  # noqa: E402
 from app.config import Config, ConfigError  # noqa: E402
-from app.data import DataError, PatchDataset, load_split  # noqa: E402
-from app.volume_io import VolumeError  # noqa: E402
+from app.data.augment import LEVELS  # noqa: E402
+from app.data.dataset import DataError, PatchDataset, load_split  # noqa: E402
+from app.data.volume_io import VolumeError  # noqa: E402
 
 
 def _add_args(parser: argparse._ActionsContainer) -> None:

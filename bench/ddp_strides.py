@@ -6,8 +6,8 @@ Under channels_last, the CPU convolution backward returns the 1x1x1 head's weigh
 contiguous strides (the same bytes as the parameter's channels_last strides), and DDP's reducer
 warned "Grad strides do not match bucket view strides ... may impair performance" on every run.
 ``use_channels_last`` now gives such gradients the parameter's strides (a view, no copy). This
-benchmark times the real training step (``app.steps.train_one_epoch`` through ``prepare()``, 2
-processes as ``make demo`` runs them, one thread each as torchrun sets) with the fix and without,
+benchmark times the real training step (``app.engine.steps.train_one_epoch`` through ``prepare()``,
+2 processes as ``make demo`` runs them, one thread each as torchrun sets) with the fix and without,
 interleaved, and counts the warnings each variant raised.
 """
 
@@ -34,12 +34,12 @@ if str(ROOT) not in sys.path:
 
 from app.config import load_config  # noqa: E402
 from app.distributed import DistEnv, prepare  # noqa: E402
-from app.hardware import machine_line  # noqa: E402
+from app.engine.steps import build_optimizer, synthetic_batch, train_one_epoch  # noqa: E402
+from app.engine.tracking import NullTracker  # noqa: E402
 from app.losses import BCEDiceLoss  # noqa: E402
 from app.model import UNet3d, use_channels_last  # noqa: E402
-from app.precision import build_precision  # noqa: E402
-from app.steps import build_optimizer, synthetic_batch, train_one_epoch  # noqa: E402
-from app.tracking import NullTracker  # noqa: E402
+from app.precision.amp import build_precision  # noqa: E402
+from app.precision.hardware import machine_line  # noqa: E402
 
 VARIANTS = {"restrided (now)": True, "as before": False}
 

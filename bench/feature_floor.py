@@ -2,9 +2,9 @@
 
     python bench/feature_floor.py --data DIR [--normalization raw] [--leave-one-out]
 
-The intensity band of ``app.floor`` is the floor that needs no learning. This is the next one up,
-the recipe of ilastik's pixel classification: every voxel described by filters of the image at
-several scales (Gaussian smoothing, gradient magnitude, Laplacian of Gaussian and the eigenvalues
+The intensity band of ``app.analysis.floor`` is the floor that needs no learning. This is the next
+one up, the recipe of ilastik's pixel classification: every voxel described by filters of the image
+at several scales (Gaussian smoothing, gradient magnitude, Laplacian of Gaussian and the eigenvalues
 of the Hessian of Gaussian; scipy.ndimage), and a gradient-boosted tree classifier
 (scikit-learn's ``HistGradientBoostingClassifier``) fitted on a sample of the training voxels.
 It is picked on the training volumes and scored on the validation volumes with global Dice, the
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from app.floor import dice_from_counts  # noqa: E402
+from app.analysis.floor import dice_from_counts  # noqa: E402
 
 SMOOTHING_SIGMAS = (0.7, 1.0, 1.6, 2.5, 3.5, 5.0)  # voxels; ilastik's scales, and 2.5
 EDGE_SIGMAS = (0.7, 1.6, 3.5)  # gradient magnitude and Laplacian of Gaussian
@@ -202,8 +202,9 @@ def feature_floor(
 
 def data_root_floor(root: Path | str, normalization: str = "raw", **options) -> FeatureFloor:
     """:func:`feature_floor` of a data root in the trainer's layout, its images normalised as
-    ``normalization`` (``app.data.load_train_val``); ``options`` go to :func:`feature_floor`."""
-    from app.data import load_train_val
+    ``normalization`` (``app.data.dataset.load_train_val``); ``options`` go to
+    :func:`feature_floor`."""
+    from app.data.dataset import load_train_val
 
     train, val, _ = load_train_val(root, normalization)
     return feature_floor(
@@ -230,8 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from app.data import DataError
-    from app.volume_io import VolumeError
+    from app.data.dataset import DataError
+    from app.data.volume_io import VolumeError
 
     started = time.perf_counter()
     try:

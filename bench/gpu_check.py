@@ -8,7 +8,7 @@
 Each line is ``PASS name: detail``, ``FAIL name: detail`` or ``SKIP name: reason``; ``WARN``
 lines are advice and leave the exit code alone. The exit code is 1 when any check FAILs. The
 checks, in order (the code run is the trainer's own: ``UNet3d``, ``BCEDiceLoss``,
-``build_precision``, ``prepare()``, ``app.steps.train_one_epoch``, ``checkpoint_state``,
+``build_precision``, ``prepare()``, ``app.engine.steps.train_one_epoch``, the checkpoint manager,
 ``save_checkpoint``/``load_checkpoint``):
 
 versions            torch, CUDA, cuDNN, NCCL, the GPU; WARN on torch 2.9.0 (slow half 3D convs)
@@ -88,21 +88,35 @@ def load_by_path(name: str, path: Path):
 
 train_step = load_by_path("bench_train_step", ROOT / "bench" / "train_step.py")
 
-from app import autotune  # noqa: E402
-from app.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from app.config import Config  # noqa: E402
-from app.data import Normalization  # noqa: E402
+from app.data.dataset import Normalization  # noqa: E402
 from app.distributed import DistEnv, distributed_session, prepare, unwrap  # noqa: E402
-from app.hardware import detect  # noqa: E402
-from app.kernel_check import check_convolutions  # noqa: E402
+from app.engine.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from app.engine.checkpointer import build_checkpointer  # noqa: E402
+from app.engine.steps import (  # noqa: E402
+    build_scheduler,
+    synthetic_batch,
+    train_one_epoch,
+)
+from app.engine.tracking import NullTracker, read_metrics  # noqa: E402
 from app.labels import build_loss  # noqa: E402
 from app.losses import BCEDiceLoss  # noqa: E402
 from app.metrics import class_counts  # noqa: E402
 from app.model import UNet3d, use_channels_last  # noqa: E402
-from app.precision import ApexPrecision, build_precision, softmax  # noqa: E402
-from app.steps import synthetic_batch, train_one_epoch  # noqa: E402
-from app.tracking import NullTracker, read_metrics  # noqa: E402
-from app.train import build_scheduler, checkpoint_state  # noqa: E402
+from app.precision import auto as autotune  # noqa: E402
+from app.precision.amp import ApexPrecision, build_precision, softmax  # noqa: E402
+from app.precision.hardware import detect  # noqa: E402
+from app.precision.kernel_check import check_convolutions  # noqa: E402
+
+
+def checkpoint_state(model, optimizer, scheduler, precision, cfg) -> dict:
+    """The trainer's checkpoint of these objects at epoch 1 (``app.engine.checkpointer``)."""
+    checkpointer = build_checkpointer(
+        cfg.run_dir, model, optimizer, scheduler, precision, cfg, Normalization(cfg.normalization)
+    )
+    checkpointer.progress.epoch, checkpointer.progress.best_dice = 1, 0.0
+    return checkpointer.state()
+
 
 LAUNCH_ENV_PREFIXES = (
     "PET_",
@@ -264,7 +278,7 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 
 def steps_of(model, optimizer, precision, batch, n: int, env: DistEnv, loss_fn=None) -> float:
-    """``n`` training steps through ``app.steps.train_one_epoch``; the mean loss of the steps
+    """``n`` training steps through ``app.engine.steps.train_one_epoch``; the mean loss of the steps
     taken (NaN when the non-finite guard skipped them all)."""
     loss_fn = loss_fn or BCEDiceLoss()
     totals = train_one_epoch(
@@ -390,17 +404,7 @@ def check_scaler_checkpoint(ctx: Context) -> None:
     path = ctx.tmp / "scaler" / "last.pt"
     save_checkpoint(
         path,
-        checkpoint_state(
-            model,
-            optimizer,
-            scheduler,
-            precision,
-            1,
-            0.0,
-            {},
-            cfg,
-            Normalization(cfg.normalization),
-        ),
+        checkpoint_state(model, optimizer, scheduler, precision, cfg),
     )
     state = load_checkpoint(path)  # torch.load(weights_only=True)
     model2, optimizer2, precision2 = train_step.build_level(cfg, env)
@@ -542,8 +546,8 @@ def check_auto_decision(ctx: Context) -> None:
 
 def check_kernels(ctx: Context) -> None:
     """Each half dtype's convolution outputs and weight gradients against float32 from the same
-    inputs (``app.kernel_check``), at the speed config and at a 16-deep patch with depth 4 (the
-    bottom 2 voxels deep, the shape oneDNN's bf16 gets wrong on Zen 4 CPUs)."""
+    inputs (``app.precision.kernel_check``), at the speed config and at a 16-deep patch with depth
+    4 (the bottom 2 voxels deep, the shape oneDNN's bf16 gets wrong on Zen 4 CPUs)."""
     base = speed_config(ctx)
     shapes = [base, dataclasses.replace(base, patch_size=(16, 64, 64), depth=4)]
     if ctx.device.type == "cuda":
@@ -765,9 +769,7 @@ def _apex_setup(level: str, device: torch.device, sizes: Sizes):
 def apex_train_and_save(level: str, path: Path, device: torch.device, sizes: Sizes) -> dict:
     cfg, env, precision, model, optimizer, scheduler, batch = _apex_setup(level, device, sizes)
     loss = steps_of(model, optimizer, precision, batch, 3, env)
-    state = checkpoint_state(
-        model, optimizer, scheduler, precision, 1, 0.0, {}, cfg, Normalization(cfg.normalization)
-    )
+    state = checkpoint_state(model, optimizer, scheduler, precision, cfg)
     save_checkpoint(path, state)
     return {
         "loss": loss,

@@ -1,4 +1,4 @@
-"""How fast and how right the grain analysis (``app.grains``) is.
+"""How fast and how right the grain analysis (``app.analysis.grains``) is.
 
     python bench/grains.py scale                         # time per volume size, 74x320x320 .. 512^3
     python bench/grains.py params                        # splitting parameters against the truth
@@ -6,9 +6,9 @@
 
 - ``scale``: a synthetic 74x320x320 mask (``datasets/make_synthetic.py``), then that mask
   tiled to larger cubes (grains cut at the seams; only the time is read there). For each size
-  the median of ``--repeats`` runs of :func:`app.grains.split_grains` (components, distance
-  map, h-maxima seeds, watershed), :func:`app.grains.grain_table` and
-  :func:`app.grains.match_grains`, and the peak memory of the process.
+  the median of ``--repeats`` runs of :func:`app.analysis.grains.split_grains` (components, distance
+  map, h-maxima seeds, watershed), :func:`app.analysis.grains.grain_table` and
+  :func:`app.analysis.grains.match_grains`, and the peak memory of the process.
 - ``params``: the watershed of the generator's true masks scored against its instance maps over
   a grid of ``h`` and ``smooth``: how the defaults were chosen, and the ceiling of the object F1
   that a perfect voxel mask would reach.
@@ -34,9 +34,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app import grains  # noqa: E402
-from app.hardware import cpu_info  # noqa: E402
-from app.masks import clean_mask  # noqa: E402
+from app.analysis import grains  # noqa: E402
+from app.analysis.masks import clean_mask  # noqa: E402
+from app.precision.hardware import cpu_info  # noqa: E402
 
 
 def synthetic():
@@ -131,9 +131,9 @@ def cmd_params(args: argparse.Namespace) -> None:
 def cmd_postprocess(args: argparse.Namespace) -> None:
     import torch
 
-    from app.data import SPLITS, load_volume_pair, pair_files
+    from app.analysis.predict import load_predictor
+    from app.data.dataset import SPLITS, load_volume_pair, pair_files
     from app.labels import THRESHOLD
-    from app.predict import load_predictor
 
     print(header("postprocess"))
     checkpoint = args.run / "checkpoints" / f"{args.checkpoint}.pt"

@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from app.hardware import machine_line  # noqa: E402
+from app.precision.hardware import machine_line  # noqa: E402
 
 TRAIN = ["--patch-size", "32", "64", "64", "--f-maps", "8", "--depth", "4", "--batch-size", "2"]
 TRAIN += ["--opt-level", "O1", "--amp-dtype", "bfloat16", "--memory-format", "channels_last"]

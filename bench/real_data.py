@@ -20,9 +20,9 @@ and the superior half validates, each cut into ``--slabs`` slabs along z, one fi
     OUT/val_patches/{images,labels}/mni152_z077_096.nii.gz ...    (superior half)
 
 Each slab keeps its position in the affine. ``write`` (and ``floor``) then print the classical
-floor (``app.floor``: best threshold and best band picked on train, scored on val, and Otsu) on
-the images as the trainer normalises them (per volume, ``zscore`` by default, and ``percentile``)
-and on the raw intensities.
+floor (``app.analysis.floor``: best threshold and best band picked on train, scored on val, and
+Otsu) on the images as the trainer normalises them (per volume, ``zscore`` by default, and
+``percentile``) and on the raw intensities.
 
 ``train`` runs the trainer (``python -m app.train``, or ``launch.sh`` with ``--nproc N``) with
 the given trainer flags and a large ``--epochs`` unless one (or ``--plan``) is given, reads its
@@ -63,9 +63,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from app.data import SPLITS, load_train_val  # noqa: E402
-from app.floor import Floors, floors_from_volumes  # noqa: E402
-from app.volume_io import VolumeMeta, is_volume_file, write_volume  # noqa: E402
+from app.analysis.floor import Floors, floors_from_volumes  # noqa: E402
+from app.data.dataset import SPLITS, load_train_val  # noqa: E402
+from app.data.volume_io import VolumeMeta, is_volume_file, write_volume  # noqa: E402
 
 NAME_PREFIX = "mni152_z"
 PROBABILITY_THRESHOLD = 0.5  # label = tissue probability above this
@@ -185,7 +185,7 @@ def print_floors(
 def machine_header() -> str:
     import torch
 
-    from app.hardware import cpu_info
+    from app.precision.hardware import cpu_info
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     return (

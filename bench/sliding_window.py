@@ -1,5 +1,5 @@
-"""MONAI's sliding-window inference (what ``app.inference.predict_logits`` runs) against a small
-hand-written Gaussian-blended sliding window, on the same model and volume, side by side.
+"""MONAI's sliding-window inference (what ``app.engine.inference.predict_logits`` runs) against a
+small hand-written Gaussian-blended sliding window, on the same model and volume, side by side.
 
     python bench/sliding_window.py                      # CPU defaults, a few minutes at most
     python bench/sliding_window.py --device cuda --shape 74 320 320 --window 32 160 160 --f-maps 32
@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.config import Config
-from app.data import Normalization
-from app.inference import predict_logits
+from app.data.dataset import Normalization
+from app.engine.inference import predict_logits
 from app.model import UNet3d
-from app.precision import build_precision
+from app.precision.amp import build_precision
 
 
 def window_starts(size: int, window: int, step: int) -> list[int]:
@@ -43,7 +43,7 @@ def window_starts(size: int, window: int, step: int) -> list[int]:
 
 
 def gaussian_weights(window: tuple[int, int, int], sigma_scale: float = 0.125) -> torch.Tensor:
-    """Separable Gaussian centred on the window (no floor: see ``app.inference``)."""
+    """Separable Gaussian centred on the window (no floor: see ``app.engine.inference``)."""
     axes = []
     for w in window:
         x = torch.arange(w, dtype=torch.float64) - (w - 1) / 2
@@ -110,7 +110,7 @@ def main() -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     if args.checkpoint:
-        from app.predict import load_predictor
+        from app.analysis.predict import load_predictor
 
         predictor = load_predictor(args.checkpoint, device)
         model, precision = predictor.model, predictor.precision
@@ -122,7 +122,7 @@ def main() -> None:
         precision = build_precision(Config(opt_level=args.opt_level), device)
         normalize = Normalization("zscore")
     if args.input:
-        from app.volume_io import read_volume
+        from app.data.volume_io import read_volume
 
         image = normalize(read_volume(args.input)[0])
         volume = torch.as_tensor(image, device=device)

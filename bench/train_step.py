@@ -13,15 +13,15 @@ Every trainer flag is accepted (``--config YAML``, ``--patch-size``, ``--batch-s
 and its features (CPU model, kernel level, native bf16/fp16, AMX, threads): a figure holds on
 that hardware only.
 
-What runs is the trainer's own step, ``app.steps.SyntheticStepper``: ``UNet3d``,
+What runs is the trainer's own step, ``app.engine.steps.SyntheticStepper``: ``UNet3d``,
 ``BCEDiceLoss``, fused Adam, ``build_precision`` and ``prepare()`` (world size 1), and
-``app.steps.train_one_epoch`` over ``--steps`` copies of one random batch already on the device
-(autocast forward, ``zero_grad``, ``precision.backward``, ``precision.step`` with its non-finite
-guard). No data loading is timed (see ``bench/data_pipeline.py`` for that).
+``app.engine.steps.train_one_epoch`` over ``--steps`` copies of one random batch already on the
+device (autocast forward, ``zero_grad``, ``precision.backward``, ``precision.step`` with its
+non-finite guard). No data loading is timed (see ``bench/data_pipeline.py`` for that).
 
 ``--compare-auto`` lists every candidate that ``--opt-level/--amp-dtype/--memory-format auto``
-considers on this machine (``app.autotune``) and what its capability rules left out, runs auto's
-own probe (not cached) and marks its pick, then times every candidate longer, interleaved
+considers on this machine (``app.precision.auto``) and what its capability rules left out, runs
+auto's own probe (not cached) and marks its pick, then times every candidate longer, interleaved
 (repeat 1 of every level, then repeat 2, ...) so every level sees the same machine load; the
 table gives medians over ``--repeats`` and the ratio to the first row. ``--include-excluded``
 adds what the rules left out (one timed run each: emulated bf16 is slow).
@@ -59,13 +59,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
-from app import autotune  # noqa: E402
 from app.config import Config, ConfigError, build_parser, load_config  # noqa: E402
 from app.distributed import DistEnv, resolve_device  # noqa: E402
-from app.hardware import detect, machine_line  # noqa: E402
+from app.engine.steps import SyntheticStepper  # noqa: E402
 from app.model import UNet3d  # noqa: E402
-from app.precision import Precision  # noqa: E402
-from app.steps import SyntheticStepper  # noqa: E402
+from app.precision import auto as autotune  # noqa: E402
+from app.precision.amp import Precision  # noqa: E402
+from app.precision.hardware import detect, machine_line  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- arguments

@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from app.volume_io import VolumeMeta, write_volume  # noqa: E402
+from app.data.volume_io import VolumeMeta, write_volume  # noqa: E402
 
 torch.set_num_threads(1)
 

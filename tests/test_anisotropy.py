@@ -11,9 +11,9 @@ from test_plan import CPU, CT, SLABS
 
 from app import predict as predict_cli
 from app.config import Config, ConfigError, validate
+from app.data.volume_io import VolumeMeta, read_volume, write_volume
 from app.model import UNet3d, min_sizes, pool_kernels
 from app.plan import MIN_BOTTOM, apply_plan, depth_for, make_plan, pooling_for
-from app.volume_io import VolumeMeta, read_volume, write_volume
 
 THICK = dataclasses.replace(CT, train_shapes=[(24, 96, 96)] * 8, spacing=(0.03, 0.01, 0.01))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.augment import Augment
-from app.data import PatchDataset, load_split
+from app.data.augment import Augment
+from app.data.dataset import PatchDataset, load_split
 
 SHAPE = (16, 32, 32)
 

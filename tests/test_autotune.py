@@ -15,11 +15,12 @@ import torch.multiprocessing as mp
 import yaml
 from helpers import free_port
 
-from app import autotune, hardware
-from app.autotune import Candidate
 from app.config import Config
 from app.distributed import DistEnv
-from app.hardware import Capabilities
+from app.precision import auto as autotune
+from app.precision import hardware
+from app.precision.auto import Candidate
+from app.precision.hardware import Capabilities
 
 CPU = torch.device("cpu")
 ENV = DistEnv(0, 0, 1, CPU)
@@ -286,7 +287,7 @@ def test_rank_0_decides_for_every_rank(tmp_path):
 
 # ----------------------------------------------------------------------------- a real run
 def test_a_run_logs_and_records_what_auto_resolved_to(dataset, tmp_path, capsys):
-    from app.checkpoint import load_checkpoint
+    from app.engine.checkpoint import load_checkpoint
     from app.train import main as train_main
 
     run_dir = tmp_path / "run"

@@ -72,8 +72,8 @@ def test_train_step_compares_precisions_side_by_side(tmp_path, capsys):
 
 
 def test_train_step_shows_every_auto_candidate_and_its_pick(monkeypatch, capsys):
-    from app import autotune
-    from app.hardware import Capabilities
+    from app.precision import auto as autotune
+    from app.precision.hardware import Capabilities
 
     amx = Capabilities("cpu", "Xeon", "AVX512", native_bf16=True, native_fp16=False, amx=True)
     monkeypatch.setattr(train_step, "detect", lambda device: amx)

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app import precision as amp_ops
 from app.config import Config, ConfigError
 from app.distributed import DistEnv, prepare
 from app.losses import BCEDiceLoss
 from app.metrics import confusion_counts, dice_iou
 from app.model import UNet3d
-from app.precision import ApexPrecision, NativePrecision, build_precision
+from app.precision import amp as amp_ops
+from app.precision.amp import ApexPrecision, NativePrecision, build_precision
 
 CPU = torch.device("cpu")
 
@@ -113,7 +113,7 @@ def cfg(**kwargs):
 
 
 def test_auto_must_be_resolved_before_building_a_precision():
-    with pytest.raises(ValueError, match=r"app\.autotune"):
+    with pytest.raises(ValueError, match=r"app\.precision\.auto"):
         build_precision(Config(), CPU)
 
 
@@ -155,7 +155,7 @@ def test_missing_apex_says_how_to_get_it(monkeypatch):
 
 def test_apex_is_imported_only_when_chosen():
     code = (
-        "import sys; from app.config import Config; from app.precision import "
+        "import sys; from app.config import Config; from app.precision.amp import "
         "build_precision; import torch; "
         "build_precision(Config(opt_level='O1'), torch.device('cpu')); "
         "import app.train; assert not any(m.startswith('apex') for m in sys.modules)"

@@ -10,7 +10,7 @@ def test_defaults_follow_the_original_recipe():
     assert cfg.patch_size == (32, 160, 160) and cfg.foreground_fraction == 0.33
     assert cfg.data_root == "datasets/IronGrain/74x320x320"
     assert cfg.fp32_ops == ["sigmoid", "softmax"]
-    # decided on the machine that trains (app.autotune), not copied from the recipe's GPU
+    # decided on the machine that trains (app.precision.auto), not copied from the recipe's GPU
     assert (cfg.opt_level, cfg.amp_dtype, cfg.memory_format) == ("auto", "auto", "auto")
     assert cfg.auto_probe and cfg.auto_cache == ""
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import blob_volume, write_dataset
 
-from app.data import Augment, DataError, PatchDataset, load_split, normalize
-from app.volume_io import VolumeMeta, read_volume, write_volume
+from app.data.dataset import Augment, DataError, PatchDataset, load_split, normalize
+from app.data.volume_io import VolumeMeta, read_volume, write_volume
 
 
 def replace_file(path, array, ext=".nii.gz"):

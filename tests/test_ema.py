@@ -1,5 +1,5 @@
 """The weight average (``--ema-decay``): its arithmetic, and that validation, best.pt, resume,
-``--eval-only`` and ``app.predict`` all use it."""
+``--eval-only`` and ``app.analysis.predict`` all use it."""
 
 import json
 
@@ -8,8 +8,8 @@ import torch
 from helpers import TINY, train_tiny
 from torch import nn
 
-from app.ema import WeightAverage, inference_weights
-from app.predict import load_predictor
+from app.analysis.predict import load_predictor
+from app.engine.ema import WeightAverage, inference_weights
 from app.train import main
 
 

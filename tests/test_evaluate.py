@@ -1,4 +1,5 @@
-"""app.evaluate against an independent computation: coordinate sets and brute-force HD95."""
+"""app.analysis.evaluate against an independent computation: coordinate sets and brute-force
+HD95."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
 
-from app import evaluate
-from app.volume_io import VolumeMeta, write_volume
+from app.analysis import evaluate
+from app.data.volume_io import VolumeMeta, write_volume
 
 SPACING = (0.5, 0.8, 1.25)
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import write_dataset
 from scipy import ndimage
 
-from app.floor import classical_floors
+from app.analysis.floor import classical_floors
 
 ROOT = Path(__file__).resolve().parents[1]
 

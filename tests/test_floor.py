@@ -1,4 +1,4 @@
-"""app.floor against brute force: every candidate rule scored directly with numpy."""
+"""app.analysis.floor against brute force: every candidate rule scored directly with numpy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from app.floor import (
+from app.analysis.floor import (
     Floor,
     best_band,
     best_threshold,
@@ -18,7 +18,7 @@ from app.floor import (
 
 
 def brute_dice(images, labels, lo=None, hi=None) -> float:
-    """Global Dice of ``lo < image < hi`` written out independently of app.floor."""
+    """Global Dice of ``lo < image < hi`` written out independently of app.analysis.floor."""
     tp = fp = fn = 0
     for image, label in zip(images, labels):
         pred = np.full(image.shape, True)

@@ -16,9 +16,9 @@ from test_predict import make_checkpoint
 from app import evaluate as evaluate_cli
 from app import grains as grains_cli
 from app import predict as predict_cli
-from app.data import DataError, load_split
-from app.geometry import Geometry, mismatches, spacing_spread
-from app.volume_io import VolumeError, VolumeMeta, read_volume, volume_geometry, write_volume
+from app.data.dataset import DataError, load_split
+from app.data.geometry import Geometry, mismatches, spacing_spread
+from app.data.volume_io import VolumeError, VolumeMeta, read_volume, volume_geometry, write_volume
 
 MICRO_CT = Geometry(spacing=(3.0, 0.5, 0.5), unit="um", origin=(10.0, -4.0, 2.5))
 TILTED = np.array(
@@ -156,7 +156,7 @@ def test_a_label_without_geometry_takes_its_images(tmp_path):
 
 
 def test_the_mmap_path_refuses_a_label_on_another_grid(tmp_path):
-    from app.lazy_data import index_split
+    from app.data.lazy import index_split
 
     root = write_dataset(tmp_path / "d", n_train=2, n_val=1, ext=".npy")
     image, _ = read_volume(root / "train_patches/images/vol_00.npy")

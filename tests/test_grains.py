@@ -1,4 +1,5 @@
-"""app.grains: splitting touching grains, per-grain properties, size distributions, matching."""
+"""app.analysis.grains: splitting touching grains, per-grain properties, size distributions,
+matching."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 from skimage.morphology import h_maxima as skimage_h_maxima
 
-from app import grains
-from app.masks import clean_mask
-from app.volume_io import VolumeMeta, write_volume
+from app.analysis import grains
+from app.analysis.masks import clean_mask
+from app.data.volume_io import VolumeMeta, write_volume
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import ROOT, write_dataset
 
-import app.checkpoint
+import app.engine.checkpoint
 from app.train import main
 
 
@@ -107,10 +107,10 @@ def test_enospc_in_a_checkpoint_write_keeps_the_last_one(
         f.write(b"\0" * 1000)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(app.checkpoint.torch, "save", save)
+    monkeypatch.setattr(app.engine.checkpoint.torch, "save", save)
     capsys.readouterr()
     assert run([*args, "--epochs", 2]) == 2
-    monkeypatch.setattr(app.checkpoint.torch, "save", real_save)
+    monkeypatch.setattr(app.engine.checkpoint.torch, "save", real_save)
     line = one_error_line(capsys.readouterr().err)
     assert f"{last}: checkpoint not written: No space left on device (ENOSPC)" in line
     assert "previous last.pt is kept" in line

@@ -504,8 +504,8 @@ def preemptions_survived(job: dict, preemptions: int) -> tuple[int, str]:
       OnFailure/Always/ExitCode replicas add up to it (any restart, if it is 0).
 
     One preemption: the preempted pod's launch.sh exits 143; every other rank loses it in a
-    collective and exits app.train.PEER_LOST_EXIT."""
-    from app.train import PEER_LOST_EXIT
+    collective and exits app.distributed.PEER_LOST_EXIT."""
+    from app.distributed import PEER_LOST_EXIT
 
     backoff = job["spec"].get("runPolicy", {}).get("backoffLimit")
     replicas = job["spec"]["pytorchReplicaSpecs"]
@@ -552,7 +552,7 @@ def test_the_restart_budget_model_catches_onfailure_with_a_backoff_limit(job):
 
 def test_a_preempted_rank_exits_with_a_retryable_code():
     """launch.sh's 143 and a rank's lost-peer exit are both >= 128: ExitCode retries them."""
-    from app.train import PEER_LOST_EXIT
+    from app.distributed import PEER_LOST_EXIT
 
     assert PREEMPTED_EXIT >= 128 and PEER_LOST_EXIT >= 128
 

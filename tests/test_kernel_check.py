@@ -9,11 +9,12 @@ import logging
 import pytest
 import torch
 
-from app import autotune, kernel_check
-from app.autotune import Candidate
 from app.config import Config
 from app.distributed import DistEnv
 from app.model import build_model
+from app.precision import auto as autotune
+from app.precision import kernel_check
+from app.precision.auto import Candidate
 
 CPU = torch.device("cpu")
 BF16 = dict(opt_level="O1", amp_dtype="bfloat16", device="cpu")
@@ -99,7 +100,7 @@ def _bad(cfg: Config) -> kernel_check.KernelError:
 def test_a_precision_set_by_hand_is_kept_but_warned_about(monkeypatch, caplog):
     monkeypatch.setattr(autotune, "check_convolutions", lambda cfg, device: _bad(cfg))
     cfg = tiny(memory_format="channels_last")
-    with caplog.at_level(logging.WARNING, logger="app.autotune"):
+    with caplog.at_level(logging.WARNING, logger="app.precision.auto"):
         decision = autotune.decide(cfg, DistEnv(0, 0, 1, CPU))
     assert decision.source == "fixed" and decision.choice.amp_dtype == "bfloat16"
     assert "bf16 autocast, channels_last as set, but at patch 8x16x16, depth 2" in caplog.text
@@ -108,6 +109,6 @@ def test_a_precision_set_by_hand_is_kept_but_warned_about(monkeypatch, caplog):
 
 
 def test_a_healthy_precision_set_by_hand_is_not_warned_about(caplog):
-    with caplog.at_level(logging.WARNING, logger="app.autotune"):
+    with caplog.at_level(logging.WARNING, logger="app.precision.auto"):
         autotune.decide(tiny(memory_format="channels_last"), DistEnv(0, 0, 1, CPU))
     assert "as set, but" not in caplog.text

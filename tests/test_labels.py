@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from app import fp32_ops
 from app.config import Config
 from app.labels import BINARY, BinaryLabels, ClassLabels, label_scheme, scheme_of_names
 from app.losses import BCEDiceLoss, CEDiceLoss
+from app.precision import ops as fp32_ops
 
 APP = Path(__file__).resolve().parents[1] / "app"
 CLASS_NAMES = {"classes", "num_classes", "class_names", "n_classes"}

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import ROOT, TINY, write_dataset
 
+from app.distributed import PEER_LOST_EXIT
 from app.launcher import drop_unsupported, torchrun_options
 
 NOTE = "has no --shutdown-timeout"
@@ -90,7 +91,7 @@ def test_a_lost_rank_exits_with_a_code_restart_policies_retry(monkeypatch, error
 
     monkeypatch.setattr(app.train, "train", train)
     code = app.train.main(["--device", "cpu", "--output-dir", "unused", "--data-root", "."])
-    assert code == app.train.PEER_LOST_EXIT >= 128
+    assert code == PEER_LOST_EXIT >= 128
     assert "lost contact with another rank" in capsys.readouterr().err
 
 

@@ -10,8 +10,8 @@ import tifffile
 import torch
 from helpers import blob_volume, write_dataset
 
-from app.data import load_train_val
-from app.lazy_data import (
+from app.data.dataset import load_train_val
+from app.data.lazy import (
     LazyVolume,
     MappedArray,
     PatchScale,
@@ -20,8 +20,8 @@ from app.lazy_data import (
     open_mapped,
     read_index,
 )
+from app.data.volume_io import VolumeError
 from app.train import main
-from app.volume_io import VolumeError
 
 
 def run(args):
@@ -191,7 +191,7 @@ def test_compressed_and_tiled_tiff_are_read_by_strips_and_tiles(tmp_path):
 def test_zarr_and_ome_zarr_are_read_by_region(tmp_path):
     import zarr
 
-    from app.volume_io import VolumeMeta, read_volume, write_volume, zarr_array
+    from app.data.volume_io import VolumeMeta, read_volume, write_volume, zarr_array
 
     array = np.arange(12 * 20 * 24, dtype=np.float32).reshape(12, 20, 24)
     write_volume(tmp_path / "a.zarr", array, VolumeMeta(".zarr"))

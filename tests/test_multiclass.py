@@ -11,18 +11,18 @@ import torch
 import torch.nn.functional as F
 from helpers import TIMING, TINY, write_phases
 
-from app import precision as amp_ops
 from app.config import Config, ConfigError, load_config
-from app.data import DataError, PatchDataset, load_split
+from app.data.dataset import DataError, PatchDataset, load_split
+from app.data.volume_io import VolumeMeta, write_volume
 from app.distributed import DistEnv, prepare
+from app.engine.validation import EvalResult
 from app.labels import build_loss
 from app.losses import BCEDiceLoss, CEDiceLoss
 from app.metrics import class_counts, dice_iou
 from app.model import build_model
-from app.precision import ApexPrecision
+from app.precision import amp as amp_ops
+from app.precision.amp import ApexPrecision
 from app.train import main
-from app.validation import EvalResult
-from app.volume_io import VolumeMeta, write_volume
 
 
 # ----------------------------------------------------------------------------- data
@@ -172,7 +172,7 @@ def test_a_whole_numbered_float_label_is_read_with_a_warning(tmp_path, caplog):
     label = np.zeros((8, 8, 8), np.float32)
     label[:4], label[4:] = 1.0, 2.0
     write_volume(path, label, VolumeMeta(".nii.gz", affine=np.eye(4)))
-    with caplog.at_level(logging.WARNING, logger="app.data"):
+    with caplog.at_level(logging.WARNING, logger="app.data.dataset"):
         (vol,) = load_split(root, "train", "zscore", num_classes=3)
     assert vol.label.dtype == np.uint8 and set(np.unique(vol.label)) == {1, 2}
     assert f"{path}: a float32 label map; its values 1, 2 are whole numbers" in caplog.text
@@ -180,7 +180,7 @@ def test_a_whole_numbered_float_label_is_read_with_a_warning(tmp_path, caplog):
 
 def test_a_missing_class_is_warned_about_by_folder(tmp_path, caplog):
     root = write_phases(tmp_path / "data", n_train=1, n_val=1, shape=(8, 8, 8))
-    with caplog.at_level(logging.WARNING, logger="app.data"):
+    with caplog.at_level(logging.WARNING, logger="app.data.dataset"):
         load_split(root, "train", "zscore", num_classes=4)
     assert "train_patches/labels: no label holds class(es) [3] of --num-classes 4" in caplog.text
 
@@ -189,7 +189,7 @@ def test_foreground_oversampling_centres_each_class():
     label = np.zeros((16, 32, 32), np.uint8)
     label[2:14, 2:30, 2:30] = 1  # a common class
     label[8, 16, 16] = 2  # and one rare voxel
-    from app.data import Volume
+    from app.data.dataset import Volume
     from app.labels import class_voxels
 
     voxels = class_voxels(label, 3, np.random.default_rng(0))
@@ -288,9 +288,9 @@ def test_k3_one_and_two_gloo_processes_count_alike(phases, k3_run, tmp_path):
 
 # ----------------------------------------------------------------------------- predict, evaluate
 def test_predict_writes_a_label_map_that_evaluate_scores_as_the_trainer(phases, k3_run, tmp_path):
-    from app.evaluate import main as evaluate_main
-    from app.predict import main as predict_main
-    from app.volume_io import read_volume
+    from app.analysis.evaluate import main as evaluate_main
+    from app.analysis.predict import main as predict_main
+    from app.data.volume_io import read_volume
 
     out = tmp_path / "pred"
     checkpoint = k3_run / "checkpoints/last.pt"
@@ -329,8 +329,8 @@ def test_predict_writes_a_label_map_that_evaluate_scores_as_the_trainer(phases, 
 
 
 def test_predict_and_evaluate_refuse_what_does_not_fit_label_maps(k3_run, phases, tmp_path, capsys):
-    from app.evaluate import main as evaluate_main
-    from app.predict import main as predict_main
+    from app.analysis.evaluate import main as evaluate_main
+    from app.analysis.predict import main as predict_main
 
     images = phases / "val_patches/images"
     checkpoint = k3_run / "checkpoints/last.pt"
@@ -391,8 +391,8 @@ def test_predict_and_evaluate_refuse_what_does_not_fit_label_maps(k3_run, phases
 def test_montage_colours_each_class_and_report_leaves_grains_out(k3_run, phases):
     from matplotlib.colors import to_rgb
 
-    from app.figures import CLASS_COLOURS, montage_figure
-    from app.report import main as report_main
+    from app.analysis.figures import CLASS_COLOURS, montage_figure
+    from app.analysis.report import main as report_main
 
     label = np.zeros((4, 24, 24), np.uint8)
     label[:, 2:10, 2:10], label[:, 12:22, 12:22] = 1, 2
@@ -434,7 +434,7 @@ def test_resume_with_another_num_classes_is_refused(phases, k3_run, tmp_path, ca
 
 
 def test_padding_keeps_each_class_at_its_padded_place():
-    from app.data import Volume
+    from app.data.dataset import Volume
     from app.labels import class_voxels
 
     label = np.zeros((4, 6, 6), np.uint8)

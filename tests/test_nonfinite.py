@@ -11,12 +11,12 @@ import pytest
 import torch
 from helpers import TINY
 
-from app import steps
-from app.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from app.config import Config
+from app.engine import steps
+from app.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from app.losses import BCEDiceLoss
 from app.model import UNet3d
-from app.precision import build_precision
+from app.precision.amp import build_precision
 
 CPU = torch.device("cpu")
 

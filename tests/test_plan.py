@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from app.config import Config, load_config_and_given
+from app.data.volume_io import VolumeMeta, write_volume
 from app.plan import (
     CPU_MAX_PATCH_VOXELS,
     REFERENCE_PATCH,
@@ -25,7 +26,6 @@ from app.plan import (
     main,
     make_plan,
 )
-from app.volume_io import VolumeMeta, write_volume
 
 SLABS = DataFingerprint(  # MNI152-like: 4 thin slabs whose tissue mix differs
     train_shapes=[(19, 181, 145)] * 4,
@@ -182,7 +182,7 @@ def test_plan_follows_the_step_the_trainer_measured():
 
 @pytest.mark.parametrize("ext", [".nii.gz", ".tif", ".npy"])
 def test_volume_header_reads_shape_without_the_voxels(tmp_path, ext):
-    from app.volume_io import VolumeError, volume_header
+    from app.data.volume_io import VolumeError, volume_header
 
     path = tmp_path / f"v{ext}"
     write_volume(path, np.zeros((6, 4, 5), np.float32), VolumeMeta(ext, affine=np.eye(4)))

@@ -17,14 +17,14 @@ import torch
 from helpers import ROOT, blob_volume, train_tiny, write_dataset
 from torch import nn
 
-from app import predict as predict_cli
-from app.checkpoint import save_checkpoint
+from app.analysis import predict as predict_cli
 from app.config import Config
-from app.data import normalize
-from app.inference import gaussian_weights, predict_logits
+from app.data.dataset import normalize
+from app.data.volume_io import VolumeMeta, read_volume, write_volume
+from app.engine.checkpoint import save_checkpoint
+from app.engine.inference import gaussian_weights, predict_logits
 from app.model import UNet3d
-from app.precision import build_precision
-from app.volume_io import VolumeMeta, read_volume, write_volume
+from app.precision.amp import build_precision
 
 WINDOW = (16, 32, 32)
 
@@ -454,7 +454,7 @@ def test_predicted_dice_equals_the_trainers_reported_dice(tmp_path, capsys):
     """Train 2 epochs, predict the val volumes with best.pt, evaluate: the global Dice must be the
     one the trainer reported for that checkpoint (same preprocessing, windows, blending,
     precision and threshold), well within the 0.02 the issue allows."""
-    from app.evaluate import main as evaluate_main
+    from app.analysis.evaluate import main as evaluate_main
 
     data = write_dataset(tmp_path / "data", n_train=3, n_val=3)
     run_dir = train_tiny(data, tmp_path / "run")

@@ -13,8 +13,8 @@ import torch
 from helpers import ROOT, TIMING, TINY, write_dataset
 from torch.utils.data import DistributedSampler
 
-from app.epoch_position import EpochPosition, ResumableSampler
-from app.preemption import EpochControl
+from app.engine.epoch_position import EpochPosition, ResumableSampler
+from app.engine.preemption import EpochControl
 from app.train import main
 
 
@@ -207,7 +207,7 @@ def test_time_based_checkpoints_survive_a_kill(common, tmp_path, monkeypatch):
 
 
 def test_checkpoint_period_defaults_by_device():
-    from app.preemption import checkpoint_every_s
+    from app.engine.preemption import checkpoint_every_s
 
     assert checkpoint_every_s(-1, torch.device("cpu")) == 0
     assert checkpoint_every_s(-1, torch.device("cuda")) == 30 * 60
@@ -221,7 +221,7 @@ def test_bad_checkpoint_period_is_refused(tmp_path, tiny_args, capsys):
 
 
 def test_the_same_signal_twice_stops_at_once():
-    from app.preemption import StopSignals
+    from app.engine.preemption import StopSignals
 
     with StopSignals() as signals:
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the terminal's SIGINT, then torchrun's

@@ -10,14 +10,14 @@ import pytest
 import torch
 import yaml
 
-from app.checkpoint import CheckpointError
-from app.data import Normalization, load_train_val
-from app.floor import floors_from_volumes
+from app.analysis.floor import floors_from_volumes
+from app.analysis.predict import load_predictor
+from app.data.dataset import Normalization, load_train_val
+from app.engine.checkpoint import CheckpointError
+from app.engine.validation import ValidationCadence
 from app.model import DoubleConv, ResidualBlock, UNet3d
 from app.plan import Plan
-from app.predict import load_predictor
 from app.train import main
-from app.validation import ValidationCadence
 
 
 def run(args):

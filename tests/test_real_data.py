@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.data import load_split
-from app.floor import Floor, Floors
-from app.volume_io import VolumeMeta, read_volume, write_volume
+from app.analysis.floor import Floor, Floors
+from app.data.dataset import load_split
+from app.data.volume_io import VolumeMeta, read_volume, write_volume
 
 ROOT = Path(__file__).resolve().parents[1]
 

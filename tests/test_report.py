@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from helpers import blob_volume, train_tiny, write_dataset
 
-from app import figures, report
-from app.tracking import montage
-from app.validation import SliceSample, pick_slices
+from app.analysis import figures, report
+from app.engine.tracking import montage
+from app.engine.validation import SliceSample, pick_slices
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import ROOT, TIMING, write_dataset
 
-from app.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
+from app.engine.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
 from app.train import main
 
 
@@ -222,7 +222,7 @@ def test_help_runs_without_torch_initialising_anything():
 @pytest.mark.parametrize(("mode", "factor"), [("none", 1.0), ("linear", 8.0), ("sqrt", 8**0.5)])
 def test_lr_scaling_by_world_size(mode, factor):
     from app.config import Config
-    from app.steps import scaled_lr
+    from app.engine.steps import scaled_lr
 
     assert scaled_lr(Config(lr=1e-3, lr_scaling=mode), world_size=8) == pytest.approx(1e-3 * factor)
 

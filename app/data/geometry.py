@@ -1,6 +1,6 @@
 """The physical grid of a volume: voxel spacing, origin and orientation, per array axis.
 
-A CT volume is a grid of physical voxels. ``app.volume_io`` reads the grid from each format's
+A CT volume is a grid of physical voxels. ``app.data.volume_io`` reads the grid from each format's
 metadata into a :class:`Geometry` (what a format does not say stays ``None``), hands it on with
 the voxels and writes it back with a result. Here: what a geometry is, and whether an image and
 its label lie on the same grid.

@@ -17,18 +17,18 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
+from app.analysis.figures import montage_figure
 from app.atomic import atomic_write_bytes
 from app.config import Config
 from app.distributed import DistEnv
-from app.figures import montage_figure
-from app.validation import SliceSample
+from app.engine.validation import SliceSample
 
 log = logging.getLogger(__name__)
 SCALARS = (
     "train_loss",
     "val_loss",
     "dice",
-    "floor_dice",  # the classical floor (app.floor) the model's Dice should beat
+    "floor_dice",  # the classical floor (app.analysis.floor) the model's Dice should beat
     "iou",
     "dice_per_volume_mean",
     "lr",

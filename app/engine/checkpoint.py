@@ -4,13 +4,14 @@ A checkpoint is plain data (tensors, numbers, strings, lists, dicts) so that it 
 ``torch.load(..., weights_only=True)``:
 
 ``model`` (the unwrapped state_dict), ``ema`` (``None``, or the weight average of ``--ema-decay``:
-its decay, update count and weights, ``app.ema``), ``optimizer``, ``scheduler``, ``precision``
-(backend, opt level, dtype, and the GradScaler or apex ``amp`` state), ``epoch`` (epochs completed),
-``best_dice``, ``metrics`` (that epoch's record), ``config`` (with its ``auto`` settings resolved),
-``resolved`` (that decision and its reason, ``app.autotune``) and ``rng`` (torch, CUDA, numpy and
-Python generator states). A mid-epoch checkpoint (``app.preemption``) adds ``position`` (the
-epoch, step, sample order and partial sums, ``app.epoch_position``) and ``rng_per_rank``; its
-``epoch`` counts the epochs completed. A model holding NaN or Inf is never written.
+its decay, update count and weights, ``app.engine.ema``), ``optimizer``, ``scheduler``,
+``precision`` (backend, opt level, dtype, and the GradScaler or apex ``amp`` state), ``epoch``
+(epochs completed), ``best_dice``, ``metrics`` (that epoch's record), ``config`` (with its ``auto``
+settings resolved), ``resolved`` (that decision and its reason, ``app.precision.auto``) and ``rng``
+(torch, CUDA, numpy and Python generator states). A mid-epoch checkpoint
+(``app.engine.preemption``) adds ``position`` (the epoch, step, sample order and partial sums,
+``app.engine.epoch_position``) and ``rng_per_rank``; its ``epoch`` counts the epochs completed. A
+model holding NaN or Inf is never written.
 
 Writes are atomic (``app.atomic``): a writer killed at any point leaves the previous file intact.
 """

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from app.atomic import atomic_write, atomic_write_bytes, os_cause
-from app.data import (
+from app.data.dataset import (
     SPLITS,
     DataError,
     Normalization,
@@ -37,8 +37,8 @@ from app.data import (
     load_split,
     pair_files,
 )
+from app.data.volume_io import VolumeError, split_ext, volume_geometry, zarr_array
 from app.labels import FOREGROUND_SAMPLES
-from app.volume_io import VolumeError, split_ext, volume_geometry, zarr_array
 
 BLOCK = (8, 16, 16)  # voxels per cell of the coarse foreground index
 SLAB_BYTES = 64 << 20  # a streaming pass reads this much at a time
@@ -295,7 +295,7 @@ class PatchScale:
 
     @classmethod
     def of(cls, normalization: Normalization, index: VolumeIndex) -> PatchScale:
-        """The same scaling as :class:`app.data.Normalization` on the whole volume (with the
+        """The same scaling as :class:`app.data.dataset.Normalization` on the whole volume (with the
         percentiles of a strided sample)."""
         mode = normalization.mode
         if mode == "zscore":
@@ -314,8 +314,8 @@ class PatchScale:
 
 @dataclass
 class LazyVolume:
-    """A training volume read a patch at a time; the interface of :class:`app.data.Volume`
-    that :class:`app.data.PatchDataset` uses."""
+    """A training volume read a patch at a time; the interface of :class:`app.data.dataset.Volume`
+    that :class:`app.data.dataset.PatchDataset` uses."""
 
     name: str
     image: Regions
@@ -362,7 +362,8 @@ class LazyVolume:
                       np.flatnonzero(label))  # fmt: skip
 
     def in_memory(self) -> Volume:
-        """The whole volume as an :class:`app.data.Volume` (for one smaller than the patch)."""
+        """The whole volume as an :class:`app.data.dataset.Volume` (for one smaller than the
+        patch)."""
         whole = (slice(None),) * 3
         image, label = self.patch(whole)
         foreground = np.flatnonzero(label)[:FOREGROUND_SAMPLES]

@@ -5,7 +5,7 @@ to every worker. Here a SIGTERM or SIGINT only raises a flag: the step in flight
 ``--stop-check-every`` steps the ranks agree in one all-reduce of two numbers (not one per step)
 whether any of them was signalled and whether a time-based checkpoint (``--checkpoint-every-min``,
 rank 0's clock) is due. If so, they sum their partial losses, rank 0 writes ``last.pt`` with the
-position inside the epoch (``app.epoch_position``), and on a signal every rank raises
+position inside the epoch (``app.engine.epoch_position``), and on a signal every rank raises
 :class:`Preempted`: the trainer exits with 128 + the signal number, which torchrun and a
 PyTorchJob's ``OnFailure`` or ``ExitCode`` restart policy treat as "restart me".
 """
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from app.checkpoint import rng_state
 from app.distributed import DistEnv, gather_object, reduce_tensor
-from app.epoch_position import EpochPosition
+from app.engine.checkpoint import rng_state
+from app.engine.epoch_position import EpochPosition
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -9,7 +9,7 @@ Dice (TP/FP/FN summed over all voxels of the set, as ``app.metrics`` and the tra
 - ``otsu``: ``image > t`` with Otsu's threshold (``skimage.filters.threshold_otsu``) of the
   pooled histogram, a reference that uses no labels.
 
-Images are expected normalised the way the trainer normalises them (``app.data.normalize``),
+Images are expected normalised the way the trainer normalises them (``app.data.dataset.normalize``),
 since that is what the model sees; :func:`floors_from_volumes` takes the trainer's loaded volumes.
 
 The search is O(voxels): one pass bins every training voxel into a fine uniform histogram
@@ -303,8 +303,8 @@ def classical_floors(
 
 
 def floors_from_volumes(train_volumes, val_volumes, bins: int = DEFAULT_BINS) -> Floors:
-    """:func:`classical_floors` of the trainer's loaded volumes (``app.data.load_split``), whose
-    images are already normalised as the model sees them."""
+    """:func:`classical_floors` of the trainer's loaded volumes (``app.data.dataset.load_split``),
+    whose images are already normalised as the model sees them."""
     return classical_floors(
         [v.image for v in train_volumes],
         [v.label for v in train_volumes],

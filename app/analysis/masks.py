@@ -1,5 +1,6 @@
-"""Binary mask clean-up shared by ``app.predict`` (``--min-object-size``, ``--fill-holes``) and
-the grain analysis (``app.grains``), so that neither command imports the other."""
+"""Binary mask clean-up shared by ``app.analysis.predict`` (``--min-object-size``,
+``--fill-holes``) and the grain analysis (``app.analysis.grains``), so that neither command imports
+the other."""
 
 from __future__ import annotations
 

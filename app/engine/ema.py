@@ -1,5 +1,5 @@
 """An exponential moving average of the weights (``--ema-decay``), which validation, ``best.pt``
-and ``app.predict`` use in place of the last step's weights.
+and ``app.analysis.predict`` use in place of the last step's weights.
 
 Why: late in training the validation Dice of the raw weights still swings by up to 0.01 from
 one validation to the next (MNI152, bench/real_data.py): every step moves many voxels near the

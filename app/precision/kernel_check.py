@@ -7,7 +7,7 @@ sometimes wrong for particular shapes only. With torch 2.13 on an AVX512-BF16 CP
 to 10^19 relative error, sometimes NaN) whenever its input is 2 voxels deep, which is what a
 16-voxel-deep patch leaves at the bottom of a 4-level U-Net. The forward pass is right and the
 loss looks sane; only the deepest layers stop learning, and now and then a step is skipped for a
-NaN. cuDNN 9.10-9.14 has a bf16 3D bug of its own (``app.autotune.CUDNN_BF16_CONV3D_BUG``).
+NaN. cuDNN 9.10-9.14 has a bf16 3D bug of its own (``app.precision.auto.CUDNN_BF16_CONV3D_BUG``).
 
 :func:`check_convolutions` runs one training forward and backward pass of the real model under
 the candidate's autocast, on a random batch at the configured patch and batch size, and records
@@ -74,7 +74,7 @@ def float32_forward(conv: nn.Module, x: torch.Tensor, weight, bias) -> torch.Ten
 def check_convolutions(cfg: Config, device: torch.device) -> KernelError:
     """The worst relative error of any convolution's output or weight gradient under ``cfg``'s
     autocast (native O1), against float32 from the same inputs. Leaves the RNG as it was."""
-    from app.steps import synthetic_batch
+    from app.engine.steps import synthetic_batch
 
     dtype = getattr(torch, cfg.amp_dtype)
     seen: dict[str, dict[str, torch.Tensor]] = {}

@@ -1,6 +1,6 @@
-"""The training step, shared by the loop (``app.train``), the auto probe (``app.autotune``) and
-the benchmarks (``bench/``): the optimizer, one epoch of steps, and a stepper on synthetic data
-that runs exactly that step so that what is timed is what trains.
+"""The training step, shared by the loop (``app.engine``), the auto probe (``app.precision.auto``)
+and the benchmarks (``bench/``): the optimizer and its schedule, one epoch of steps, and a stepper
+on synthetic data that runs exactly that step so that what is timed is what trains.
 """
 
 from __future__ import annotations
@@ -11,16 +11,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, MultiStepLR
 
 from app.config import Config
 from app.distributed import DistEnv, prepare, reduce_tensor, unwrap
-from app.ema import WeightAverage
-from app.epoch_position import EpochPosition
+from app.engine.ema import WeightAverage
+from app.engine.epoch_position import EpochPosition
+from app.engine.preemption import NO_CONTROL, EpochControl, NullControl
+from app.engine.tracking import NullTracker, Tracker
 from app.labels import build_loss
 from app.model import build_model
-from app.precision import Precision, build_precision
-from app.preemption import NO_CONTROL, EpochControl, NullControl
-from app.tracking import NullTracker, Tracker
+from app.precision.amp import Precision, build_precision
 
 
 def scaled_lr(cfg: Config, world_size: int) -> float:
@@ -33,13 +34,24 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Adam over ``model``'s parameters. Fused (one kernel per step on CPU and CUDA) unless apex
     owns the step: the fused kernel also takes the non-finite flag on the device, so a skipped
-    step costs no host sync (``app.precision.NonFiniteGuard``)."""
+    step costs no host sync (``app.precision.amp.NonFiniteGuard``)."""
     return torch.optim.Adam(
         model.parameters(),
         lr=scaled_lr(cfg, env.world_size),
         weight_decay=cfg.weight_decay,
         fused=backend == "native" and env.device.type in ("cpu", "cuda"),
     )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRScheduler:
+    """MultiStepLR over epochs, after an optional linear warmup; stepped once per epoch."""
+    multistep = MultiStepLR(optimizer, milestones=list(cfg.milestones), gamma=cfg.gamma)
+    if not cfg.warmup_epochs:
+        return multistep
+    warmup = LinearLR(
+        optimizer, start_factor=1.0 / (cfg.warmup_epochs + 1), total_iters=cfg.warmup_epochs
+    )
+    return ChainedScheduler([warmup, multistep], optimizer=optimizer)
 
 
 @dataclass(frozen=True)

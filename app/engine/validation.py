@@ -17,12 +17,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from app.data import Volume
+from app.data.dataset import Volume
 from app.distributed import DistEnv, reduce_tensor
-from app.inference import predict_logits
+from app.engine.inference import predict_logits
 from app.labels import LabelScheme, scheme_of_names
 from app.metrics import dice_iou
-from app.precision import Precision
+from app.precision.amp import Precision
 
 
 @dataclass
@@ -102,7 +102,7 @@ class EvalResult:
 @dataclass
 class SliceSample:
     """A few z-slices through the foreground of one validation volume, for the montage that
-    TensorBoard shows every epoch (``app.figures.montage_figure``)."""
+    TensorBoard shows every epoch (``app.analysis.figures.montage_figure``)."""
 
     name: str
     z: list[int]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from app.precision import Precision
+from app.precision.amp import Precision
 
 
 def predict_logits(

@@ -52,7 +52,7 @@ class Capabilities:
         return f"{self.name} ({self.features()})"
 
     def fingerprint(self) -> dict[str, object]:
-        """What a cached decision must match (see ``app.autotune``)."""
+        """What a cached decision must match (see ``app.precision.auto``)."""
         return {
             "device_type": self.device_type,
             "name": self.name,

@@ -1,10 +1,10 @@
 """Where training stands inside an epoch, and the sampler that continues from there.
 
-A mid-epoch checkpoint (``app.preemption``) records an :class:`EpochPosition`: the epoch, the
+A mid-epoch checkpoint (``app.engine.preemption``) records an :class:`EpochPosition`: the epoch, the
 steps every rank has taken, the epoch's global sample order and the partial loss sums of all
 ranks. ``--resume auto`` hands it to :class:`ResumableSampler`, which yields what is left of each
-rank's share of that order, and to ``app.steps.train_one_epoch``, which continues the sums; the
-epoch then ends with the figures of an uninterrupted one.
+rank's share of that order, and to ``app.engine.steps.train_one_epoch``, which continues the sums;
+the epoch then ends with the figures of an uninterrupted one.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Natively, the loss, the metrics and prediction call these ops through :func:`sigmoid` /
 :func:`softmax`, which leave autocast and compute in float32 when the op is registered; with apex
-``app.precision`` registers each op with ``amp.register_float_function`` instead. This module
+``app.precision.amp`` registers each op with ``amp.register_float_function`` instead. This module
 imports nothing of the app, so that the label scheme, the loss and the metrics can use it without
 importing the configuration.
 """

@@ -1,6 +1,6 @@
-"""Every figure the tools draw, in one module: the slice montage (``app.report`` and the
-TensorBoard image of each validation, ``app.tracking``), the training curves, the grain size
-distribution (``app.grains``, ``app.report``), and their PNG bytes.
+"""Every figure the tools draw, in one module: the slice montage (``app.analysis.report`` and the
+TensorBoard image of each validation, ``app.engine.tracking``), the training curves, the grain size
+distribution (``app.analysis.grains``, ``app.analysis.report``), and their PNG bytes.
 
 matplotlib is imported inside each function: the trainer pays for it only when it logs images.
 Figures are drawn on the Agg canvas (no display needed).
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from app.engine.validation import pick_slices
 from app.labels import scheme_of_names
-from app.validation import pick_slices
 
 GROUND_TRUTH_COLOUR = "#00d0ff"  # cyan and orange: apart for the common colour blindnesses
 PREDICTION_COLOUR = "#ff8c00"

@@ -14,7 +14,7 @@ O2         not offered: a clear error                    fp16 model, fp32 BN and
 O3         pure half model, no scaling (speed baseline)  pure fp16
 =========  ============================================  =========================================
 
-The fp32 op registry (``--fp32-ops``, default sigmoid and softmax, ``app.fp32_ops``): with apex
+The fp32 op registry (``--fp32-ops``, default sigmoid and softmax, ``app.precision.ops``): with apex
 each op is registered with ``amp.register_float_function`` before ``amp.initialize``; natively
 the loss, metrics and prediction call them through ``sigmoid`` / ``softmax``, which leave
 autocast and compute in float32.
@@ -23,7 +23,7 @@ Non-finite steps: ``step()`` returns a flag on the device, 1 when the step's gra
 or Inf and the step was skipped (:class:`NonFiniteGuard`), so such a step never reaches the
 weights, the optimizer state or the BatchNorm statistics, and the loop counts skipped steps
 without a host sync. ``--opt-level auto`` and ``--amp-dtype auto`` are decided by
-``app.autotune`` before this module builds anything.
+``app.precision.auto`` before this module builds anything.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from app import fp32_ops
 from app.config import Config, ConfigError
-from app.fp32_ops import call_op, sigmoid, softmax  # noqa: F401  (the registry's ops, here too)
+from app.precision import ops as fp32_ops
+from app.precision.ops import call_op, sigmoid, softmax  # noqa: F401  (the registry's ops, here too)
 
 FP16_MIN_EPS = 1e-4  # smallest optimizer eps that stays well inside float16's normal range
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -44,7 +44,7 @@ HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # ----------------------------------------------------------------------------- fp32 op registry
 def configure_fp32_ops(names: list[str]) -> None:
-    """``app.fp32_ops.configure_fp32_ops``, its error a configuration error."""
+    """``app.precision.ops.configure_fp32_ops``, its error a configuration error."""
     try:
         fp32_ops.configure_fp32_ops(names)
     except ValueError as exc:
@@ -287,7 +287,7 @@ def import_apex(module: str):
 
 
 def resolve_dtype(cfg: Config, device_type: str) -> torch.dtype:
-    """The half dtype; ``auto`` reaching here (a checkpoint from before ``app.autotune``, or a
+    """The half dtype; ``auto`` reaching here (a checkpoint from before ``app.precision.auto``, or a
     dtype an O0 run never uses) means what it meant then: float16 on CUDA, bfloat16 on CPU."""
     if cfg.amp_dtype == "auto":
         return torch.float16 if device_type == "cuda" else torch.bfloat16
@@ -297,9 +297,9 @@ def resolve_dtype(cfg: Config, device_type: str) -> torch.dtype:
 def build_precision(cfg: Config, device: torch.device) -> Precision:
     """Validate the precision flags for this device and build the backend object.
 
-    ``--opt-level auto`` must have been resolved (``app.autotune.decide``)."""
+    ``--opt-level auto`` must have been resolved (``app.precision.auto.decide``)."""
     if cfg.opt_level == "auto":
-        raise ValueError("--opt-level auto must be resolved first, by app.autotune.decide")
+        raise ValueError("--opt-level auto must be resolved first, by app.precision.auto.decide")
     configure_fp32_ops(cfg.fp32_ops)
     if cfg.amp_backend == "apex":
         if device.type != "cuda":

@@ -2,7 +2,7 @@
 (a ``NAME.zarr`` folder: a zarr array, or an OME-Zarr image whose full-resolution level is read).
 
 Arrays are used in the axis order they are stored in and called (D, H, W). Each volume's grid
-(:class:`app.geometry.Geometry`: spacing, unit, origin, orientation) is read here once, from
+(:class:`app.data.geometry.Geometry`: spacing, unit, origin, orientation) is read here once, from
 what its format says:
 
 - NIfTI: the affine (sform or qform, as nibabel chooses) and the header's length unit (mm when
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from app.atomic import atomic_path
-from app.geometry import Geometry, canonical_unit
+from app.data.geometry import Geometry, canonical_unit
 
 EXTENSIONS = (".nii.gz", ".nii", ".tif", ".tiff", ".npy", ".zarr")
 ZARR_CHUNKS = (64, 64, 64)  # written zarr: cubes, so a training patch reads a few chunks

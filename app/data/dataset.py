@@ -1,5 +1,5 @@
 """IronGrain volumes: pairing, validation, normalisation and patch sampling (augmentation:
-``app.augment``).
+``app.data.augment``).
 
 Layout: ``ROOT/{train,val}_patches/{images,labels}/NAME.ext``; a label shares its image's NAME.
 Every file is checked when the split is loaded, and all problems are reported at once, each line
@@ -17,7 +17,7 @@ Policies:
 - A volume smaller than the training patch is padded, centred, to the patch size: the image with
   its own minimum (CT background is dark) and the label with 0. Validation and prediction pad the
   same way and crop the result back, so padded voxels never count in a metric.
-- Validation is deterministic: every val volume is evaluated whole (see ``app.inference``).
+- Validation is deterministic: every val volume is evaluated whole (see ``app.engine.inference``).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import torch
 from torch.utils.data import Dataset
 
 from app.atomic import os_cause
-from app.augment import Augment
-from app.geometry import Geometry, mismatches, spacing_spread
+from app.data.augment import Augment
+from app.data.geometry import Geometry, mismatches, spacing_spread
+from app.data.volume_io import EXTENSIONS, VolumeError, is_volume_file, read_volume, split_ext
 from app.labels import FOREGROUND_SAMPLES, label_scheme
-from app.volume_io import EXTENSIONS, VolumeError, is_volume_file, read_volume, split_ext
 
 log = logging.getLogger(__name__)
 SPLITS = {"train": "train_patches", "val": "val_patches"}
@@ -64,7 +64,7 @@ class Volume:
         voxels = present[int(rng.integers(len(present)))] if present else self.foreground
         return np.unravel_index(int(rng.choice(voxels)), self.image.shape)
 
-    # what PatchDataset reads, shared with app.lazy_data.LazyVolume (patches read from disk)
+    # what PatchDataset reads, shared with app.data.lazy.LazyVolume (patches read from disk)
     @property
     def shape(self) -> tuple[int, ...]:
         return self.image.shape
@@ -244,7 +244,7 @@ def check_same_grid(
     label_grid: Geometry,
 ) -> None:
     """An image and its label lie on the same voxel grid: shape, and the spacing, origin and
-    orientation both files state (``app.geometry``'s tolerances), or a VolumeError naming both
+    orientation both files state (``app.data.geometry``'s tolerances), or a VolumeError naming both
     files and every difference."""
     found = [] if image_shape == label_shape else [f"shape {image_shape} vs {label_shape}"]
     found += mismatches(image_grid, label_grid)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from app.atomic import os_cause, probe_writable
 from app.config import ConfigError
-from app.data import DataError
+from app.data.dataset import DataError
 
 
 def check_output_dir(run_dir: Path) -> None:

@@ -1,5 +1,6 @@
-"""Command-line pieces shared by the tools (``app.predict``, ``app.evaluate``, ``app.grains``,
-``app.report``), in one module so that no command imports another for a helper."""
+"""Command-line pieces shared by the tools (``app.analysis.predict``, ``app.analysis.evaluate``,
+``app.analysis.grains``, ``app.analysis.report``), in one module so that no command imports another
+for a helper."""
 
 from __future__ import annotations
 
