@@ -71,7 +71,7 @@ import numpy as np
 from scipy import ndimage
 
 from app.analysis import grains
-from app.analysis.cli import HelpFormatter
+from app.analysis.cli import HelpFormatter, add_spacing_argument
 from app.atomic import atomic_write_bytes
 from app.data.dataset import check_finite, check_same_grid
 from app.data.volume_io import (
@@ -488,12 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="JSON summary to write (FILE.json); the CSV goes to FILE.csv",
     )
-    parser.add_argument(
-        "--spacing",
-        choices=["header", "voxel"],
-        default="header",
-        help="HD95 and grain sizes in the voxel size the label's file states, or in voxels",
-    )
+    add_spacing_argument(parser, "HD95 and grain sizes (the label's file)")
     parser.add_argument(
         "--num-classes",
         metavar="K",

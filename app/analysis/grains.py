@@ -51,7 +51,7 @@ from skimage.measure import label as label_components
 from skimage.measure import regionprops_table
 from skimage.segmentation import relabel_sequential, watershed
 
-from app.analysis.cli import HelpFormatter
+from app.analysis.cli import HelpFormatter, add_spacing_argument
 from app.analysis.figures import figure_png, psd_figure
 from app.analysis.masks import FACE
 from app.atomic import atomic_write_bytes
@@ -472,12 +472,7 @@ volume and pooled) and psd.png (size distribution).""",
         help="foreground where value > T; needed for non-binary input such as probabilities",
     )
     add_grain_arguments(parser)
-    parser.add_argument(
-        "--spacing",
-        choices=["header", "voxel"],
-        default="header",
-        help="physical units from the voxel size the file states, or voxels only",
-    )
+    add_spacing_argument(parser, "grain sizes and centroids")
     parser.add_argument(
         "--save-instances",
         action="store_true",
