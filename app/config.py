@@ -159,12 +159,6 @@ class Config:
         "--no-auto-probe decides from the hardware's capabilities alone",
         "precision",
     )
-    auto_cache: str = _opt(
-        "",
-        "folder of cached auto decisions; empty = $IRONGRAIN_CACHE_DIR, else "
-        "$XDG_CACHE_HOME/irongrain, else ~/.cache/irongrain (delete it to re-measure)",
-        "precision",
-    )
     fp32_ops: list[str] = _opt(
         ["sigmoid", "softmax"], "torch functions always computed in float32", "precision"
     )
@@ -246,6 +240,13 @@ class Config:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+# Settings that were removed, and what to use instead: an old YAML file or flag gets this, not
+# "unknown setting".
+REMOVED = {
+    "auto_cache": "set the IRONGRAIN_CACHE_DIR environment variable to the folder of cached "
+    "auto decisions (else $XDG_CACHE_HOME/irongrain, else ~/.cache/irongrain; delete it to "
+    "re-measure)",
+}
 RESOLVED_KEY = "resolved"
 _HINTS = typing.get_type_hints(Config)
 
@@ -320,12 +321,27 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["type"] = hint
         # show the real default in --help while keeping SUPPRESS, so that only flags the user
         # typed override the YAML file
-        kwargs["help"] += f" (default: {_show(f)})"
+        kwargs["help"] += f" (default: {show_default(f)})"
         group.add_argument(*flags, dest=name, **kwargs)
+    for name in REMOVED:  # accepted, so that load_config_and_given can say what to do instead
+        parser.add_argument(
+            _flag(name), dest=f"removed:{name}", nargs="?", default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )  # fmt: skip
     return parser
 
 
-def _show(f: dataclasses.Field) -> str:
+def removed_settings() -> list[tuple[str, str]]:
+    """(name, what to do instead) of every removed setting."""
+    return list(REMOVED.items())
+
+
+def removed_error(name: str, where: str) -> ConfigError:
+    return ConfigError(f"{where}: {name!r} was removed; {REMOVED[name]}")
+
+
+def show_default(f: dataclasses.Field) -> str:
+    """A field's default as ``--help`` shows it."""
     value = f.default_factory() if f.default is dataclasses.MISSING else f.default
     if isinstance(value, (list, tuple)):
         return " ".join(map(str, value))
@@ -346,6 +362,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
             f"--config {path}: expected a mapping of settings, got {type(data).__name__}"
         )
     data.pop(RESOLVED_KEY, None)  # what a run's auto settings resolved to: a record, not input
+    for name in sorted(set(data) & set(REMOVED)):
+        if data.pop(name) not in ("", None):  # an old run's config.yaml holds the empty default
+            raise removed_error(name, f"--config {path}")
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise ConfigError(
@@ -365,6 +384,9 @@ def load_config_and_given(argv: list[str] | None = None) -> tuple[Config, frozen
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     config_path = args.pop("config", None)
+    for key in [k for k in args if k.startswith("removed:")]:
+        name = key.split(":", 1)[1]
+        raise removed_error(name, _flag(name))
     values = read_yaml(config_path) if config_path else {}
     values.update(args)
     if isinstance(values.get("patch_size"), list):
