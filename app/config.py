@@ -4,6 +4,9 @@ Every field of :class:`Config` is a flag: ``patch_size`` is ``--patch-size``. A 
 the field names (``patch_size: [32, 160, 160]``). The resolved configuration is validated once,
 here, so that a bad setting fails before any process group, data or model exists, with a message
 that names the flag.
+
+Size (over 500 lines): half of it is the settings themselves, one field each with the help that
+``--help`` and ``docs/configuration.md`` (``app.config_doc``) print; the rest reads and checks them.
 """
 
 from __future__ import annotations
@@ -204,11 +207,12 @@ class Config:
         20, "steps between progress-bar loss refreshes (one host sync each)", "run"
     )
     log_images: bool = _opt(True, "write slice images to TensorBoard at each validation", "run")
-    checkpoint_every_min: float = _opt(
-        -1.0,
+    checkpoint_every_min: str = _opt(
+        "auto",
         "minutes between time-based mid-epoch checkpoints (last.pt, as on SIGTERM); 0: off; "
-        "-1: 30 on CUDA, off on CPU",
+        "auto: 30 on CUDA, off on CPU",
         "run",
+        minutes=True,
     )
     stop_check_every: int = _opt(
         10,
@@ -255,9 +259,32 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def minutes_or_auto(value: Any) -> str:
+    """A setting in minutes or ``auto``, as text: a number from YAML becomes its text, and -1
+    (how ``auto`` was once spelt, in the config.yaml of older runs) becomes ``auto``."""
+    text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    try:
+        return "auto" if float(text) == -1 else text
+    except (TypeError, ValueError):
+        return text
+
+
+def checkpoint_minutes(value: str) -> float | None:
+    """``--checkpoint-every-min`` as minutes (``None``: auto); ValueError when it is neither."""
+    value = minutes_or_auto(value)
+    if value == "auto":
+        return None
+    minutes = float(value)
+    if not minutes >= 0:
+        raise ValueError(value)
+    return minutes
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Check and convert one value (from YAML) to the field's type."""
     hint = _HINTS[name]
+    if FIELDS[name].metadata.get("minutes"):
+        value = minutes_or_auto(value)
     origin = get_origin(hint)
     where = f"{source}: '{name}'"
     if origin is Literal:
@@ -317,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
             )
         elif origin is list:
             kwargs.update(type=get_args(hint)[0], nargs="*")
+        elif f.metadata.get("minutes"):
+            kwargs["type"] = minutes_or_auto
         else:
             kwargs["type"] = hint
         # show the real default in --help while keeping SUPPRESS, so that only flags the user
@@ -462,11 +491,10 @@ def validate(cfg: Config) -> None:
         "mmap reads binary labels only; use --data-access memory with --num-classes "
         f"{cfg.num_classes}",
     )
-    need(
-        cfg.checkpoint_every_min >= 0 or cfg.checkpoint_every_min == -1,
-        "checkpoint_every_min",
-        "must be minutes (> 0), 0 (off) or -1 (30 on CUDA, off on CPU)",
-    )
+    try:
+        checkpoint_minutes(cfg.checkpoint_every_min)
+    except ValueError:
+        need(False, "checkpoint_every_min", "must be minutes (> 0), 0 (off) or auto")
     need(0 < cfg.val_share <= 1, "val_share", "must be within (0, 1]")
     need(
         cfg.resume in ("auto", "none") or Path(cfg.resume).suffix == ".pt",
