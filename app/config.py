@@ -4,6 +4,9 @@ Every field of :class:`Config` is a flag: ``patch_size`` is ``--patch-size``. A 
 the field names (``patch_size: [32, 160, 160]``). The resolved configuration is validated once,
 here, so that a bad setting fails before any process group, data or model exists, with a message
 that names the flag.
+
+Size (over 500 lines): half of it is the settings themselves, one field each with the help that
+``--help`` and ``docs/configuration.md`` (``app.config_doc``) print; the rest reads and checks them.
 """
 
 from __future__ import annotations
@@ -167,12 +170,6 @@ class Config:
         "--no-auto-probe decides from the hardware's capabilities alone",
         "precision",
     )
-    auto_cache: str = _opt(
-        "",
-        "folder of cached auto decisions; empty = $IRONGRAIN_CACHE_DIR, else "
-        "$XDG_CACHE_HOME/irongrain, else ~/.cache/irongrain (delete it to re-measure)",
-        "precision",
-    )
     fp32_ops: list[str] = _opt(
         ["sigmoid", "softmax"], "torch functions always computed in float32", "precision"
     )
@@ -218,11 +215,12 @@ class Config:
         20, "steps between progress-bar loss refreshes (one host sync each)", "run"
     )
     log_images: bool = _opt(True, "write slice images to TensorBoard at each validation", "run")
-    checkpoint_every_min: float = _opt(
-        -1.0,
+    checkpoint_every_min: str = _opt(
+        "auto",
         "minutes between time-based mid-epoch checkpoints (last.pt, as on SIGTERM); 0: off; "
-        "-1: 30 on CUDA, off on CPU",
+        "auto: 30 on CUDA, off on CPU",
         "run",
+        minutes=True,
     )
     stop_check_every: int = _opt(
         10,
@@ -254,6 +252,13 @@ class Config:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+# Settings that were removed, and what to use instead: an old YAML file or flag gets this, not
+# "unknown setting".
+REMOVED = {
+    "auto_cache": "set the IRONGRAIN_CACHE_DIR environment variable to the folder of cached "
+    "auto decisions (else $XDG_CACHE_HOME/irongrain, else ~/.cache/irongrain; delete it to "
+    "re-measure)",
+}
 RESOLVED_KEY = "resolved"
 _HINTS = typing.get_type_hints(Config)
 
@@ -262,9 +267,32 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def minutes_or_auto(value: Any) -> str:
+    """A setting in minutes or ``auto``, as text: a number from YAML becomes its text, and -1
+    (how ``auto`` was once spelt, in the config.yaml of older runs) becomes ``auto``."""
+    text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    try:
+        return "auto" if float(text) == -1 else text
+    except (TypeError, ValueError):
+        return text
+
+
+def checkpoint_minutes(value: str) -> float | None:
+    """``--checkpoint-every-min`` as minutes (``None``: auto); ValueError when it is neither."""
+    value = minutes_or_auto(value)
+    if value == "auto":
+        return None
+    minutes = float(value)
+    if not minutes >= 0:
+        raise ValueError(value)
+    return minutes
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Check and convert one value (from YAML) to the field's type."""
     hint = _HINTS[name]
+    if FIELDS[name].metadata.get("minutes"):
+        value = minutes_or_auto(value)
     origin = get_origin(hint)
     where = f"{source}: '{name}'"
     if origin is Literal:
@@ -324,16 +352,33 @@ def build_parser() -> argparse.ArgumentParser:
             )
         elif origin is list:
             kwargs.update(type=get_args(hint)[0], nargs="*")
+        elif f.metadata.get("minutes"):
+            kwargs["type"] = minutes_or_auto
         else:
             kwargs["type"] = hint
         # show the real default in --help while keeping SUPPRESS, so that only flags the user
         # typed override the YAML file
-        kwargs["help"] += f" (default: {_show(f)})"
+        kwargs["help"] += f" (default: {show_default(f)})"
         group.add_argument(*flags, dest=name, **kwargs)
+    for name in REMOVED:  # accepted, so that load_config_and_given can say what to do instead
+        parser.add_argument(
+            _flag(name), dest=f"removed:{name}", nargs="?", default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )  # fmt: skip
     return parser
 
 
-def _show(f: dataclasses.Field) -> str:
+def removed_settings() -> list[tuple[str, str]]:
+    """(name, what to do instead) of every removed setting."""
+    return list(REMOVED.items())
+
+
+def removed_error(name: str, where: str) -> ConfigError:
+    return ConfigError(f"{where}: {name!r} was removed; {REMOVED[name]}")
+
+
+def show_default(f: dataclasses.Field) -> str:
+    """A field's default as ``--help`` shows it."""
     value = f.default_factory() if f.default is dataclasses.MISSING else f.default
     if isinstance(value, (list, tuple)):
         return " ".join(map(str, value))
@@ -354,6 +399,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
             f"--config {path}: expected a mapping of settings, got {type(data).__name__}"
         )
     data.pop(RESOLVED_KEY, None)  # what a run's auto settings resolved to: a record, not input
+    for name in sorted(set(data) & set(REMOVED)):
+        if data.pop(name) not in ("", None):  # an old run's config.yaml holds the empty default
+            raise removed_error(name, f"--config {path}")
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise ConfigError(
@@ -373,6 +421,9 @@ def load_config_and_given(argv: list[str] | None = None) -> tuple[Config, frozen
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     config_path = args.pop("config", None)
+    for key in [k for k in args if k.startswith("removed:")]:
+        name = key.split(":", 1)[1]
+        raise removed_error(name, _flag(name))
     values = read_yaml(config_path) if config_path else {}
     values.update(args)
     if isinstance(values.get("patch_size"), list):
@@ -456,11 +507,10 @@ def validate(cfg: Config) -> None:
         "mmap reads binary labels only; use --data-access memory with --num-classes "
         f"{cfg.num_classes}",
     )
-    need(
-        cfg.checkpoint_every_min >= 0 or cfg.checkpoint_every_min == -1,
-        "checkpoint_every_min",
-        "must be minutes (> 0), 0 (off) or -1 (30 on CUDA, off on CPU)",
-    )
+    try:
+        checkpoint_minutes(cfg.checkpoint_every_min)
+    except ValueError:
+        need(False, "checkpoint_every_min", "must be minutes (> 0), 0 (off) or auto")
     need(0 < cfg.val_share <= 1, "val_share", "must be within (0, 1]")
     need(
         cfg.resume in ("auto", "none") or Path(cfg.resume).suffix == ".pt",

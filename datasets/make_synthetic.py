@@ -14,7 +14,7 @@ Layout written (a label and an instance map have their image's file name)::
 
     OUT/train_patches/images/grain_000.nii.gz   OUT/train_patches/labels/grain_000.nii.gz
     OUT/val_patches/images/grain_000.nii.gz     OUT/val_patches/labels/grain_000.nii.gz
-    OUT/*/instances/grain_000.nii.gz            (one id per grain: the truth of app.grains)
+    OUT/*/instances/grain_000.nii.gz            (one id per grain: the truth of app.analysis.grains)
 
 Arrays are (D, H, W) = (z, y, x) in every format; images are float32 (about -0.15..1.0, not
 clipped), labels uint8 in {0, 1}, instances uint16 (0 = matrix, 1..N = grains; uint32 past

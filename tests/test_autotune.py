@@ -188,7 +188,8 @@ def test_decisions_are_cached_and_a_damaged_cache_is_measured_again(tmp_path, mo
     monkeypatch.setattr(autotune, "detect", lambda device: AVX2)
     probe, calls = fake_probe({"channels_last": 200.0, "contiguous": 100.0})
     monkeypatch.setattr(autotune, "probe", probe)
-    cfg = tiny(auto_cache=str(tmp_path / "cache"))
+    monkeypatch.setenv("IRONGRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tiny()
     first = autotune.decide(cfg, ENV)
     assert first.source == "probe" and first.choice == Candidate("O0", "float32", "contiguous")
     assert "fp32, contiguous 100 ms; fp32, channels_last 200 ms (2.00x)" in first.reason
@@ -216,7 +217,8 @@ def test_an_unwritable_cache_costs_a_probe_not_the_run(tmp_path, monkeypatch, ca
     monkeypatch.setattr(autotune, "probe", fake_probe({"channels_last": 1.0, "contiguous": 2.0})[0])
     blocker = tmp_path / "file"
     blocker.write_text("")
-    decision = autotune.decide(tiny(auto_cache=str(blocker / "cache")), ENV)
+    monkeypatch.setenv("IRONGRAIN_CACHE_DIR", str(blocker / "cache"))
+    decision = autotune.decide(tiny(), ENV)
     assert decision.choice.memory_format == "channels_last"
     assert "cannot write the auto cache" in caplog.text
 
@@ -232,10 +234,9 @@ def test_no_auto_probe_decides_by_the_rules(monkeypatch):
 def test_the_default_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("IRONGRAIN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert autotune.cache_root("") == tmp_path / "irongrain"
+    assert autotune.cache_root() == tmp_path / "irongrain"
     monkeypatch.setenv("IRONGRAIN_CACHE_DIR", str(tmp_path / "x"))
-    assert autotune.cache_root("") == tmp_path / "x"
-    assert autotune.cache_root("/elsewhere") == autotune.Path("/elsewhere")
+    assert autotune.cache_root() == tmp_path / "x"
 
 
 # ----------------------------------------------------------------------------- resume
@@ -266,8 +267,9 @@ def _broadcast_worker(rank: int, port: int, cache: str, out: str) -> None:
     autotune.detect = lambda device: AVX2
     autotune.probe = fake_probe({fast: 100.0, slow: 300.0})[0]
     env = DistEnv(rank, rank, 2, CPU)
-    first = autotune.decide(tiny(auto_cache=cache), env)
-    second = autotune.decide(tiny(auto_cache=cache), env)
+    os.environ["IRONGRAIN_CACHE_DIR"] = cache
+    first = autotune.decide(tiny(), env)
+    second = autotune.decide(tiny(), env)
     with open(f"{out}.{rank}", "w") as f:
         json.dump([first.to_dict(), second.to_dict()], f)
     dist.destroy_process_group()
@@ -286,7 +288,7 @@ def test_rank_0_decides_for_every_rank(tmp_path):
 
 
 # ----------------------------------------------------------------------------- a real run
-def test_a_run_logs_and_records_what_auto_resolved_to(dataset, tmp_path, capsys):
+def test_a_run_logs_and_records_what_auto_resolved_to(dataset, tmp_path, capsys, monkeypatch):
     from app.engine.checkpoint import load_checkpoint
     from app.train import main as train_main
 
@@ -295,8 +297,8 @@ def test_a_run_logs_and_records_what_auto_resolved_to(dataset, tmp_path, capsys)
         "--data-root", str(dataset), "--output-dir", str(run_dir), "--epochs", "1",
         "--patch-size", "16", "32", "32", "--f-maps", "4", "--depth", "3", "--batch-size", "2",
         "--samples-per-volume", "2", "--num-workers", "0", "--device", "cpu",
-        "--auto-cache", str(tmp_path / "cache"),
     ]  # fmt: skip
+    monkeypatch.setenv("IRONGRAIN_CACHE_DIR", str(tmp_path / "cache"))
     assert train_main(tiny_run) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if "auto ->" in x)
     assert "app.train: opt_level/amp_dtype/memory_format auto -> " in line

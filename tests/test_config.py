@@ -12,7 +12,7 @@ def test_defaults_follow_the_original_recipe():
     assert cfg.fp32_ops == ["sigmoid", "softmax"]
     # decided on the machine that trains (app.precision.auto), not copied from the recipe's GPU
     assert (cfg.opt_level, cfg.amp_dtype, cfg.memory_format) == ("auto", "auto", "auto")
-    assert cfg.auto_probe and cfg.auto_cache == ""
+    assert cfg.auto_probe
 
 
 def test_yaml_overrides_defaults_and_flags_override_yaml(tmp_path):

@@ -209,10 +209,22 @@ def test_time_based_checkpoints_survive_a_kill(common, tmp_path, monkeypatch):
 def test_checkpoint_period_defaults_by_device():
     from app.engine.preemption import checkpoint_every_s
 
-    assert checkpoint_every_s(-1, torch.device("cpu")) == 0
-    assert checkpoint_every_s(-1, torch.device("cuda")) == 30 * 60
-    assert checkpoint_every_s(0, torch.device("cuda")) == 0
-    assert checkpoint_every_s(2.5, torch.device("cpu")) == 150
+    assert checkpoint_every_s("auto", torch.device("cpu")) == 0
+    assert checkpoint_every_s("auto", torch.device("cuda")) == 30 * 60
+    assert checkpoint_every_s("0", torch.device("cuda")) == 0
+    assert checkpoint_every_s("2.5", torch.device("cpu")) == 150
+
+
+def test_checkpoint_period_auto_replaces_the_old_minus_one(tmp_path):
+    from app.config import load_config
+
+    assert load_config([]).checkpoint_every_min == "auto"
+    assert load_config(["--checkpoint-every-min", "-1"]).checkpoint_every_min == "auto"
+    old = tmp_path / "config.yaml"  # an older run's config.yaml: numbers, and -1.0 for auto
+    old.write_text("checkpoint_every_min: -1.0\n")
+    assert load_config(["--config", str(old)]).checkpoint_every_min == "auto"
+    old.write_text("checkpoint_every_min: 30\n")
+    assert load_config(["--config", str(old)]).checkpoint_every_min == "30"
 
 
 def test_bad_checkpoint_period_is_refused(tmp_path, tiny_args, capsys):

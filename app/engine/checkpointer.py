@@ -18,7 +18,14 @@ from app.data.dataset import Normalization
 from app.distributed import run_on_primary
 from app.engine.checkpoint import FORMAT_VERSION, CheckpointError, checkpoint_dir, save_checkpoint
 from app.engine.epoch_position import EpochPosition
-from app.engine.parts import AverageState, ModelWeights, OptimizerState, Progress, RandomState
+from app.engine.parts import (
+    AverageState,
+    ModelWeights,
+    OptimizerState,
+    Progress,
+    RandomState,
+    SamplerPosition,
+)
 from app.plan import Plan
 from app.precision.amp import Precision
 
@@ -39,6 +46,7 @@ class Checkpointer:
     precision: Precision
     progress: Progress
     rng: RandomState
+    position: SamplerPosition
     normalization: Normalization
     resolved: dict[str, Any]
     plan: Plan | None
@@ -75,8 +83,9 @@ class Checkpointer:
         run_on_primary(WRITE_ERRORS, self._write_recovery, position, rng_per_rank)
 
     def _write_recovery(self, position: EpochPosition, rng_per_rank: list) -> None:
+        self.position.position = position
         state = self.state()
-        state.update(epoch=position.epoch - 1, position=position.to_dict())
+        state.update(epoch=position.epoch - 1, position=self.position.state_dict())
         state.update(rng_per_rank=rng_per_rank)
         path = self.folder / "last.pt"
         save_checkpoint(path, state)
@@ -91,6 +100,7 @@ class Checkpointer:
         self.rng.load_state_dict(state["rng"], state.get("rng_per_rank"))
         self.average.load_state_dict(state.get("ema"), state["model"], path)
         self.progress.load_state_dict(state)
+        self.position.load_state_dict(state.get("position"))
         log.info(
             "resumed from %s at epoch %d (best dice %.4f)", path, state["epoch"], state["best_dice"]
         )
@@ -120,6 +130,7 @@ def build_checkpointer(
         precision,
         Progress(cfg),
         RandomState(rank, world_size),
+        SamplerPosition(),
         normalization,
         resolved or {},
         plan,

@@ -103,10 +103,10 @@ class TrainData:
     def start_of(self, epoch: int) -> EpochPosition:
         return EpochPosition(epoch, world_size=self.env.world_size, batch_size=self.batch_size)
 
-    def first_position(self, resumed: dict[str, Any] | None, start_epoch: int) -> EpochPosition:
-        """Where the first epoch of this run starts: a mid-epoch checkpoint's step, or step 0."""
+    def first_position(self, position: EpochPosition | None, start_epoch: int) -> EpochPosition:
+        """Where the first epoch of this run starts: the step of a mid-epoch checkpoint's
+        ``position`` (when this run can continue it), or step 0."""
         fresh = self.start_of(start_epoch + 1)
-        position = EpochPosition.saved_in(resumed)
         if position is None:
             return fresh
         why = self.sampler.mismatch(position, self.batch_size)

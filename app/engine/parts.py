@@ -4,8 +4,8 @@ checkpoint manager (``app.engine.checkpointer``) saves and restores, part by par
 The scheduler and the precision (``app.precision.amp``: GradScaler or apex ``amp``) already are such
 parts; here are the others: the model's weights (saved unwrapped), the optimizer (whose kernel
 choice is this run's, not saved state), the weight average, the random generators (every rank's
-in a mid-epoch checkpoint), and the progress (epoch, best Dice, the last record, the
-configuration they were reached with).
+in a mid-epoch checkpoint), the sampler's position inside an epoch, and the progress (epoch, best
+Dice, the last record, the configuration they were reached with).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from app.config import Config, ConfigError
 from app.distributed import unwrap
 from app.engine.checkpoint import CheckpointError, rng_state, set_rng_state
 from app.engine.ema import WeightAverage
+from app.engine.epoch_position import EpochPosition
 
 log = logging.getLogger("app.train")
 
@@ -106,6 +107,20 @@ class RandomState:
         rank's), else ``state`` (rank 0's: an end-of-epoch checkpoint, or another world size)."""
         per_rank = per_rank or []
         set_rng_state(per_rank[self.rank] if len(per_rank) == self.world_size else state)
+
+
+class SamplerPosition:
+    """Where the sampler stands inside an epoch (``app.engine.epoch_position``): set by the
+    mid-epoch recovery write, and what the first epoch of a resumed run continues from."""
+
+    def __init__(self) -> None:
+        self.position: EpochPosition | None = None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.position.to_dict() if self.position else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.position = EpochPosition(**state) if state else None
 
 
 @dataclass

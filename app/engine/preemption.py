@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from app.config import checkpoint_minutes
 from app.distributed import DistEnv, gather_object, reduce_tensor
 from app.engine.checkpoint import rng_state
 from app.engine.epoch_position import EpochPosition
@@ -76,12 +77,13 @@ class StopSignals:
 CUDA_CHECKPOINT_EVERY_MIN = 30.0
 
 
-def checkpoint_every_s(every_min: float, device: torch.device) -> float:
-    """``--checkpoint-every-min`` in seconds (0: off); ``-1`` is 30 minutes on CUDA, where an
+def checkpoint_every_s(every_min: str, device: torch.device) -> float:
+    """``--checkpoint-every-min`` in seconds (0: off); ``auto`` is 30 minutes on CUDA, where an
     hour of lost GPU time costs most, and off on CPU."""
-    if every_min == -1:
-        every_min = CUDA_CHECKPOINT_EVERY_MIN if device.type == "cuda" else 0.0
-    return every_min * 60.0
+    minutes = checkpoint_minutes(every_min)
+    if minutes is None:
+        minutes = CUDA_CHECKPOINT_EVERY_MIN if device.type == "cuda" else 0.0
+    return minutes * 60.0
 
 
 class CheckpointClock:

@@ -77,7 +77,7 @@ class Trainer:
         """Train the epochs left; returns the last epoch's record."""
         cfg, env, data = self.run.cfg, self.env, self.data
         control, cadence, floor = self.begin_fit()
-        first = data.first_position(self.run.resumed, self.progress.epoch)
+        first = data.first_position(self.checkpointer.position.position, self.progress.epoch)
         record: dict[str, Any] = {}
         for epoch in range(self.progress.epoch + 1, cfg.epochs + 1):
             # the first epoch may continue a mid-epoch checkpoint; the others start at step 0

@@ -24,8 +24,9 @@ once, before anything is built:
    configured model, patch and batch size) for a few seconds in all, interleaved, and the fastest
    wins; within 5% of it, the higher precision wins (fp32 over bf16 over fp16).
 5. **A cache** per device, torch version, thread count, processes per node and model shape, in
-   ``--auto-cache`` (one JSON file per decision; deleting the folder re-measures), so a later run
-   starts at once. ``--no-auto-probe`` decides from the rules alone.
+   ``$IRONGRAIN_CACHE_DIR`` (else ``$XDG_CACHE_HOME/irongrain``, else ``~/.cache/irongrain``; one
+   JSON file per decision; deleting the folder re-measures), so a later run starts at once.
+   ``--no-auto-probe`` decides from the rules alone.
 
 Rank 0 decides and broadcasts, so every rank runs the same precision; the ranks probe at the same
 time, each on its own device (or sharing the CPU, as they will when training). A resumed run keeps
@@ -406,9 +407,8 @@ def pick(
 
 
 # ----------------------------------------------------------------------------- 3. cache
-def cache_root(setting: str) -> Path:
-    if setting:
-        return Path(setting)
+def cache_root() -> Path:
+    """$IRONGRAIN_CACHE_DIR, else $XDG_CACHE_HOME/irongrain, else ~/.cache/irongrain."""
     if os.environ.get("IRONGRAIN_CACHE_DIR"):
         return Path(os.environ["IRONGRAIN_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -462,7 +462,9 @@ def write_cache(path: Path, facts: dict[str, Any], decision: Decision) -> None:
         data = {"facts": facts, "decision": decision.to_dict(), "written": time.time()}
         atomic_write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
     except OSError as exc:
-        log.warning("cannot write the auto cache %s (%s); set --auto-cache", path, exc.strerror)
+        log.warning(
+            "cannot write the auto cache %s (%s); set IRONGRAIN_CACHE_DIR", path, exc.strerror
+        )
 
 
 # ----------------------------------------------------------------------------- decide
@@ -500,7 +502,7 @@ def plan_on_primary(cfg: Config, env: DistEnv) -> dict[str, Any]:
         reason = "; ".join([*notes, why])
         return {"decision": Decision(choice, "rules", reason, settings).to_dict()}
     facts = cache_facts(cfg, caps, cands)
-    path = cache_path(cache_root(cfg.auto_cache), facts)
+    path = cache_path(cache_root(), facts)
     cached = read_cache(path, facts)
     if cached is not None:
         reason = f"cached in {path}: {cached.reason}"
