@@ -14,6 +14,7 @@ periods a user sets (30 minutes, the CUDA default, and 5).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -98,6 +99,12 @@ def worker(rank: int, port: int, argv: list[str], args: dict, folder: str, out: 
         size = (Path(folder) / "checkpoints" / "last.pt").stat().st_size if writes else 0
         result = {"times": times, "writes": writes, "bytes": size, "agreements": agreements}
         Path(out).write_text(json.dumps(result))
+    # As app.distributed's session ends: DDP sits in reference cycles, so collect it before its
+    # process group goes, and leave together; else gloo can abort at exit ("terminate called
+    # without an active exception").
+    stepper = checkpointer = controls = write = None
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -44,7 +44,12 @@ SMALL = ("--f-maps", "2", "--depth", "2")
 
 
 def machine_key() -> str:
-    return f"torch {torch.__version__} / {torch.backends.cpu.get_cpu_capability()}"
+    """torch, its CPU kernel level and the CPU model: oneDNN picks other kernels (AMX,
+    AVX512-BF16) on other CPUs of the same level, and float results differ with them."""
+    from app.precision.hardware import cpu_info
+
+    name, _ = cpu_info()
+    return f"torch {torch.__version__} / {torch.backends.cpu.get_cpu_capability()} / {name}"
 
 
 def tensor_digest(digest, prefix: str, value: Any) -> None:
