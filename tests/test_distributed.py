@@ -53,6 +53,8 @@ def launch(args, timeout=240, **env):
         timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # the installed torchrun (torch 2.13) has --shutdown-timeout: launch.sh keeps it, silently
+    assert "has no --shutdown-timeout" not in result.stderr
     return result
 
 
