@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 import yaml
 from helpers import free_port
 
+from app import cache
 from app.config import Config
 from app.distributed import DistEnv
 from app.precision import auto as autotune
@@ -208,7 +209,7 @@ def test_decisions_are_cached_and_a_damaged_cache_is_measured_again(tmp_path, mo
 
     files[0].write_text("{not json")
     assert autotune.decide(cfg, ENV).source == "probe" and len(calls) == 4
-    assert "ignoring the auto cache" in caplog.text
+    assert "ignoring the cache file" in caplog.text
     assert json.loads(files[0].read_text())["decision"]["memory_format"] == "contiguous"
 
 
@@ -234,9 +235,9 @@ def test_no_auto_probe_decides_by_the_rules(monkeypatch):
 def test_the_default_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("IRONGRAIN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert autotune.cache_root() == tmp_path / "irongrain"
+    assert cache.cache_root() == tmp_path / "irongrain"
     monkeypatch.setenv("IRONGRAIN_CACHE_DIR", str(tmp_path / "x"))
-    assert autotune.cache_root() == tmp_path / "x"
+    assert cache.cache_root() == tmp_path / "x"
 
 
 # ----------------------------------------------------------------------------- resume

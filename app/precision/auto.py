@@ -40,8 +40,6 @@ stages share the candidate, decision and cache types, and each is short.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import math
 import os
@@ -54,7 +52,7 @@ from typing import Any
 
 import torch
 
-from app.atomic import atomic_write_bytes
+from app import cache
 from app.config import Config, ConfigError
 from app.distributed import DistEnv, broadcast_object
 from app.precision.hardware import Capabilities, detect
@@ -407,14 +405,6 @@ def pick(
 
 
 # ----------------------------------------------------------------------------- 3. cache
-def cache_root() -> Path:
-    """$IRONGRAIN_CACHE_DIR, else $XDG_CACHE_HOME/irongrain, else ~/.cache/irongrain."""
-    if os.environ.get("IRONGRAIN_CACHE_DIR"):
-        return Path(os.environ["IRONGRAIN_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "irongrain"
-
-
 def cache_facts(cfg: Config, caps: Capabilities, cands: list[Candidate]) -> dict[str, Any]:
     """Everything a cached decision depends on: any change measures again."""
     return {
@@ -437,34 +427,18 @@ def cache_facts(cfg: Config, caps: Capabilities, cands: list[Candidate]) -> dict
     }
 
 
-def cache_path(root: Path, facts: dict[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
-    return root / "auto" / f"{digest}.json"
-
-
 def read_cache(path: Path, facts: dict[str, Any]) -> Decision | None:
     """The cached decision, or None; a damaged or foreign file is reported and ignored."""
-    if not path.is_file():
-        return None
+    cached = cache.load(path, facts, "decision")
     try:
-        data = json.loads(path.read_text())
-        if data["facts"] != facts:
-            return None
-        return Decision.from_dict(data["decision"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return Decision.from_dict(cached) if cached is not None else None
+    except (KeyError, TypeError) as exc:
         log.warning("ignoring the auto cache %s (%s); measuring again", path, first_line(exc))
         return None
 
 
 def write_cache(path: Path, facts: dict[str, Any], decision: Decision) -> None:
-    """Best effort: a cache that cannot be written costs the next run a probe, nothing more."""
-    try:
-        data = {"facts": facts, "decision": decision.to_dict(), "written": time.time()}
-        atomic_write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
-    except OSError as exc:
-        log.warning(
-            "cannot write the auto cache %s (%s); set IRONGRAIN_CACHE_DIR", path, exc.strerror
-        )
+    cache.store(path, facts, "decision", decision.to_dict())
 
 
 # ----------------------------------------------------------------------------- decide
@@ -502,7 +476,7 @@ def plan_on_primary(cfg: Config, env: DistEnv) -> dict[str, Any]:
         reason = "; ".join([*notes, why])
         return {"decision": Decision(choice, "rules", reason, settings).to_dict()}
     facts = cache_facts(cfg, caps, cands)
-    path = cache_path(cache_root(), facts)
+    path = cache.cache_file("auto", facts)
     cached = read_cache(path, facts)
     if cached is not None:
         reason = f"cached in {path}: {cached.reason}"
