@@ -221,7 +221,7 @@ def test_an_unwritable_cache_costs_a_probe_not_the_run(tmp_path, monkeypatch, ca
     monkeypatch.setenv("IRONGRAIN_CACHE_DIR", str(blocker / "cache"))
     decision = autotune.decide(tiny(), ENV)
     assert decision.choice.memory_format == "channels_last"
-    assert "cannot write the auto cache" in caplog.text
+    assert "cannot write the cache" in caplog.text
 
 
 def test_no_auto_probe_decides_by_the_rules(monkeypatch):
