@@ -170,6 +170,13 @@ class Config:
         "--no-auto-probe decides from the hardware's capabilities alone",
         "precision",
     )
+    compile: Literal["auto", "on", "off"] = _opt(
+        "auto",
+        "torch.compile the model for training (validation and checkpoints stay uncompiled); "
+        "auto = on when the speed-up measured on this machine repays the compile time within "
+        "this run's steps (cached), off for runs too short to repay it",
+        "precision",
+    )
     fp32_ops: list[str] = _opt(
         ["sigmoid", "softmax"], "torch functions always computed in float32", "precision"
     )
@@ -506,6 +513,12 @@ def validate(cfg: Config) -> None:
         "data_access",
         "mmap reads binary labels only; use --data-access memory with --num-classes "
         f"{cfg.num_classes}",
+    )
+    need(
+        cfg.compile != "on" or cfg.amp_backend == "native",
+        "compile",
+        "needs --amp-backend native (apex patches the model's functions, which torch.compile "
+        "cannot trace)",
     )
     try:
         checkpoint_minutes(cfg.checkpoint_every_min)

@@ -203,8 +203,10 @@ def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model under a DDP wrapper (native or apex)."""
-    return model.module if hasattr(model, "module") else model
+    """The bare model under its wrappers: DDP (native or apex) and ``CompiledModel``."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 # ----------------------------------------------------------------------------- prepare()

@@ -41,8 +41,12 @@ def test_training_writes_the_run_dir(dataset, tmp_path, tiny_args):
         "epoch_time_s",
         "samples_per_s",
         "world_size",
+        "gflop_per_s",
+        "peak_gflop_per_s",
+        "utilisation",
     }
     assert expected <= set(rows[0]) and rows[0]["world_size"] == 1
+    assert 0 < rows[1]["gflop_per_s"] < rows[1]["peak_gflop_per_s"]
     state = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
     assert state["epoch"] == 2 and state["precision"]["backend"] == "native"
     assert {"model", "optimizer", "scheduler", "rng", "config", "best_dice"} <= set(state)

@@ -21,6 +21,7 @@ from app.data.dataset import DataError
 from app.data.volume_io import VolumeError
 from app.distributed import DistEnv, broadcast_object, run_on_primary
 from app.engine.checkpoint import load_checkpoint, resume_path
+from app.engine.compiling import CompileDecision
 from app.engine.preflight import check_data_root, check_output_dir
 from app.plan import REFIT_EPOCH, Plan, apply_plan, plan_for
 from app.precision.auto import Decision, decide
@@ -41,11 +42,13 @@ class ResolvedRun:
     plan: Plan | None
     resume_from: Path | None
     resumed: dict[str, Any] | None  # the checkpoint resumed from, as loaded
+    compiled: CompileDecision | None = None  # --compile, decided once the data is loaded
 
     @property
     def reasons(self) -> dict[str, Any]:
         """Why each ``auto`` setting is what it is (``resolved:`` in ``config.yaml``)."""
-        return self.decision.to_dict() | ({"plan": self.plan.reasons} if self.plan else {})
+        reasons = self.decision.to_dict() | ({"plan": self.plan.reasons} if self.plan else {})
+        return reasons | ({"compile": self.compiled.to_dict()} if self.compiled else {})
 
     def refit_plan(self, train_time: float, epoch: int) -> bool:
         """After ``REFIT_EPOCH``: the plan's samples per volume refitted so that the epochs left

@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import ChainedScheduler, LinearLR, LRScheduler, Mu
 
 from app.config import Config
 from app.distributed import DistEnv, prepare, reduce_tensor, unwrap
+from app.engine.compiled_model import compile_model
 from app.engine.ema import WeightAverage
 from app.engine.epoch_position import EpochPosition
 from app.engine.preemption import NO_CONTROL, EpochControl, NullControl
@@ -161,12 +162,14 @@ class SyntheticStepper:
     wall time around it is the time of the steps.
     """
 
-    def __init__(self, cfg: Config, env: DistEnv):
+    def __init__(self, cfg: Config, env: DistEnv, compile: bool = False):
         self.env = env
         self.precision = build_precision(cfg, env.device)
         model = build_model(cfg, env.device)
         optimizer = build_optimizer(model, cfg, env, self.precision.backend)
         self.model, self.optimizer = prepare(model, optimizer, self.precision, env)
+        if compile:
+            self.model = compile_model(self.model, cfg)
         self.loss_fn = build_loss(cfg)
         self.batch = synthetic_batch(cfg, env.device)
 

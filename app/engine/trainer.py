@@ -30,8 +30,11 @@ from app.distributed import (
     run_on_primary,
     unwrap,
 )
+from app.engine import compiling
 from app.engine.checkpoint import checkpoint_dir, remove_stale_temporaries
 from app.engine.checkpointer import WRITE_ERRORS, Checkpointer, build_checkpointer
+from app.engine.compiled_model import compile_model
+from app.engine.compiling import CompileDecision
 from app.engine.data import TrainData
 from app.engine.ema import WeightAverage, inference_weights
 from app.engine.hooks import Hook, PlanRefit, Preemption
@@ -40,6 +43,7 @@ from app.engine.preemption import CheckpointClock, EpochControl, StopSignals, ch
 from app.engine.resolve import ResolvedRun
 from app.engine.steps import build_optimizer, build_scheduler, check_steps_taken, train_one_epoch
 from app.engine.tracking import NullTracker, Tracker, make_tracker
+from app.engine.utilisation import Utilisation
 from app.engine.validation import EvalResult, ValidationCadence, evaluate
 from app.labels import build_loss
 from app.model import build_model
@@ -61,6 +65,7 @@ class Trainer:
     average: WeightAverage | None
     checkpointer: Checkpointer
     signals: StopSignals
+    utilisation: Utilisation | None = None
     hooks: list[Hook] = field(default_factory=list)
     tracker: Tracker | NullTracker = field(default_factory=NullTracker)
 
@@ -121,6 +126,8 @@ class Trainer:
                 voxels_per_s=totals.samples * math.prod(cfg.patch_size) / train_time,
                 world_size=env.world_size,
             )
+            if self.utilisation:
+                record.update(self.utilisation.figures(totals.steps / env.world_size, train_time))
             self.call("trained", epoch, train_time)
             improved = self.progress.finished(record, self.run.cfg)
             # a full disk stops every rank, not only the one writing
@@ -147,6 +154,10 @@ class Trainer:
                 cfg.epochs,
                 (self.run.resumed or {}).get("metrics"),
             )
+        if self.utilisation and env.is_primary:
+            probed = self.run.decision.timings.get(self.run.decision.choice.label, {})
+            step_s = probed["ms"] / 1000.0 if probed.get("ms") else None
+            log.info("utilisation: %s", self.utilisation.describe(step_s))
         every_s = checkpoint_every_s(cfg.checkpoint_every_min, env.device)
         if every_s and env.is_primary:
             log.info("mid-epoch checkpoints every %g min (--checkpoint-every-min)", every_s / 60)
@@ -211,6 +222,10 @@ def build(run: ResolvedRun, env: DistEnv, signals: StopSignals | None = None) ->
     """Every part, in the order that fixes what the seeded generators give each, and a resumed
     run's state restored into them."""
     cfg = run.cfg
+    # before the seed: its measurement draws no number that training would
+    utilisation = (
+        None if cfg.eval_only else Utilisation.for_run(cfg, env.device, run.decision.choice.label)
+    )
     torch.manual_seed(cfg.seed)
     precision = build_precision(cfg, env.device)
     data = TrainData.load(cfg, env, run.resumed)
@@ -218,6 +233,10 @@ def build(run: ResolvedRun, env: DistEnv, signals: StopSignals | None = None) ->
     optimizer = build_optimizer(model, cfg, env, precision.backend)
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = prepare(model, optimizer, precision, env)
+    if not cfg.eval_only:
+        run.compiled = decide_compile(run, env, len(data.loader))
+        if run.compiled.use:
+            model = compile_model(model, cfg)
     loss_fn = build_loss(cfg)  # BCE + Dice, or CE + Dice for --num-classes K >= 2
     average = weight_average(unwrap(model), cfg)
     checkpointer = build_checkpointer(
@@ -247,7 +266,18 @@ def build(run: ResolvedRun, env: DistEnv, signals: StopSignals | None = None) ->
         sum(p.numel() for p in model.parameters()) / 1e6,
     )
     parts = (model, optimizer, scheduler, precision, loss_fn, average, checkpointer)
-    return Trainer(run, env, data, *parts, signals or StopSignals())
+    return Trainer(run, env, data, *parts, signals or StopSignals(), utilisation)
+
+
+def decide_compile(run: ResolvedRun, env: DistEnv, steps_per_epoch: int) -> CompileDecision:
+    """``--compile`` for the steps this run has left, with the precision probe's step time."""
+    probed = run.decision.timings.get(run.decision.choice.label, {}).get("ms")
+    epochs_done = (run.resumed or {}).get("epoch", 0)
+    steps = steps_per_epoch * max(0, run.cfg.epochs - epochs_done)
+    decision = compiling.decide(run.cfg, env, steps, probed / 1000.0 if probed else None)
+    if env.is_primary:
+        log.info("%s", decision.log_line())
+    return decision
 
 
 def start_run_dir(run: ResolvedRun) -> None:
