@@ -43,7 +43,6 @@ from app.engine.steps import SyntheticStepper
 from app.precision.auto import Candidate, cache_facts
 from app.precision.hardware import detect
 
-
 PRIOR_SPEEDUP = 1.3  # the best measured so far: 1.26x, bf16 step on a Zen 4 CPU
 PRIOR_COMPILE_S = 30.0  # 18-36 s measured on 2 CPU cores; GPUs compile in a similar time
 MARGIN = 1.5  # compile only when the saving is clearly larger than the compile
