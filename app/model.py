@@ -155,6 +155,7 @@ class UNet3d(nn.Module):
         self.pools = pool_kernels(depth) if pools is None else list(pools)
         if len(self.pools) != depth - 1:
             raise ValueError(f"{len(self.pools)} pool kernels for depth {depth}")
+        self._min_size = min_sizes(self.pools)
         widths = [f_maps * 2**i for i in range(depth)]
         # With a per-sample norm (instance, group) the first convolution (with a bias) feeds its
         # ReLU directly: normalising there would rescale the raw intensities by each patch's own
@@ -173,11 +174,12 @@ class UNet3d(nn.Module):
     @property
     def min_size(self) -> Kernel:
         """Smallest spatial size per axis (see :func:`min_sizes`)."""
-        return min_sizes(self.pools)
+        return self._min_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         need = self.min_size
-        if any(s < m for s, m in zip(x.shape[-3:], need)):
+        # a list, not a generator: torch.compile traces this whole forward only without one
+        if any([s < m for s, m in zip(x.shape[-3:], need)]):
             least = need[0] if len(set(need)) == 1 else need
             raise ValueError(
                 f"input {tuple(x.shape[-3:])} is smaller than {least} voxels on an axis; "

@@ -94,11 +94,13 @@ from app.distributed import DistEnv, distributed_session, prepare, unwrap  # noq
 from app.engine.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from app.engine.checkpointer import build_checkpointer  # noqa: E402
 from app.engine.steps import (  # noqa: E402
+    SyntheticStepper,
     build_scheduler,
     synthetic_batch,
     train_one_epoch,
 )
 from app.engine.tracking import NullTracker, read_metrics  # noqa: E402
+from app.engine.utilisation import Utilisation  # noqa: E402
 from app.labels import build_loss  # noqa: E402
 from app.losses import BCEDiceLoss  # noqa: E402
 from app.metrics import class_counts  # noqa: E402
@@ -524,7 +526,8 @@ def check_memory_format_speed(ctx: Context) -> None:
 def check_auto_decision(ctx: Context) -> None:
     """What ``auto`` decides on this device, with the alternatives it measured; then that the
     second decision comes from the cache, unchanged."""
-    cfg = dataclasses.replace(speed_config(ctx), auto_cache=str(ctx.tmp / "auto-cache"))
+    os.environ["IRONGRAIN_CACHE_DIR"] = str(ctx.tmp / "auto-cache")  # a fresh cache, this run's
+    cfg = speed_config(ctx)
     caps = detect(ctx.device)
     cands, _ = autotune.candidates(cfg, caps)
     env = DistEnv(0, 0, 1, ctx.device)
@@ -542,6 +545,68 @@ def check_auto_decision(ctx: Context) -> None:
         f"{caps.describe()}; candidates {[c.label for c in cands]}; {first.log_line()}; "
         f"decided in {took:.1f} s; second decision from {again.source}",
     )
+
+
+def check_utilisation(ctx: Context) -> None:
+    """FLOPs per step over the practical peak (a large convolution, measured here) in bf16 and
+    fp16 autocast: how close the training step gets to this device. Reported, not judged."""
+    s = ctx.sizes
+    parts = []
+    for dtype in ("bfloat16", "float16") if ctx.cuda else ("bfloat16",):
+        cfg = dataclasses.replace(
+            speed_config(ctx), opt_level="O1", amp_dtype=dtype, memory_format="contiguous"
+        )
+        spec = train_step.LevelSpec(dtype, "O1", amp_dtype=dtype, memory_format="contiguous")
+        result = train_step.measure(cfg, ctx.device, [spec], s.steps, s.warmup, s.repeats)[0]
+        if not result.seconds:
+            ctx.report.fail("utilisation", f"{dtype}: {result.error}")
+            return
+        step_s = result.ms_per_step(s.steps) / 1000.0
+        os.environ["IRONGRAIN_CACHE_DIR"] = str(ctx.tmp / "peak-cache")  # measured, not cached
+        use = Utilisation.for_run(cfg, ctx.device, f"{dtype} autocast, contiguous")
+        parts.append(f"{dtype}: {use.describe(step_s)}")
+    ctx.report.pass_("utilisation", "; ".join(parts))
+
+
+def check_compile(ctx: Context) -> None:
+    """--compile on: the compiled O1 step against eager (time, compile time, the same loss to
+    autocast's precision), and that the checkpoint keys are the uncompiled model's."""
+    s = ctx.sizes
+    cfg = dataclasses.replace(
+        speed_config(ctx), opt_level="O1", amp_dtype="bfloat16", memory_format="contiguous"
+    )
+    env = DistEnv(0, 0, 1, ctx.device)
+    steppers = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        torch.manual_seed(0)
+        steppers[name] = SyntheticStepper(cfg, env, compile=compiled)
+    started = time.perf_counter()
+    losses = {name: stepper.run(1).loss for name, stepper in steppers.items()}
+    first = time.perf_counter() - started
+    times = {}
+    for name, stepper in steppers.items():
+        sync_device(ctx.device)
+        started = time.perf_counter()
+        stepper.run(s.steps)
+        sync_device(ctx.device)
+        times[name] = (time.perf_counter() - started) / s.steps
+    keys_same = list(unwrap(steppers["compiled"].model).state_dict()) == list(
+        unwrap(steppers["eager"].model).state_dict()
+    )
+    close = math.isclose(losses["eager"], losses["compiled"], rel_tol=2e-2)
+    ctx.report.verdict(
+        keys_same and close,
+        "compile",
+        f"bf16 O1 step eager {times['eager'] * 1000:.1f} ms, compiled "
+        f"{times['compiled'] * 1000:.1f} ms ({times['eager'] / times['compiled']:.2f}x), first "
+        f"steps incl. compiling {first:.0f} s; first losses {losses['eager']:.5f} / "
+        f"{losses['compiled']:.5f}; checkpoint keys unchanged: {keys_same}",
+    )
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def check_kernels(ctx: Context) -> None:
@@ -951,6 +1016,8 @@ CHECKS: list[tuple[str, Callable[[Context], None]]] = [
     ("channels-last-3d", check_channels_last),
     ("kernels", check_kernels),
     ("auto-decision", check_auto_decision),
+    ("utilisation", check_utilisation),
+    ("compile", check_compile),
     ("nccl-init", check_nccl),
     ("ddp-syncbn", check_ddp_syncbn),
     ("apex", check_apex),
