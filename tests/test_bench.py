@@ -29,6 +29,7 @@ def load(name, path):
 train_step = load("bench_train_step", "bench/train_step.py")
 data_pipeline = load("bench_data_pipeline", "bench/data_pipeline.py")
 gpu_check = load("bench_gpu_check", "bench/gpu_check.py")
+utilisation = load("bench_utilisation", "bench/utilisation.py")
 
 
 AUGMENT_MODES = ["off", "flips", "rot90", "gamma", "spatial", "basic", "full"]
@@ -47,6 +48,23 @@ def test_train_step_prints_the_rate_of_the_configured_level(capsys):
     (row,) = rows(out, [["O0"]]).values()
     rate, voxels = float(row.split()[1]), float(row.split()[3])
     assert rate > 0 and voxels == pytest.approx(rate * 16 * 32 * 32, rel=0.01)
+
+
+def test_utilisation_prints_flops_peak_and_their_ratio_per_row(capsys):
+    argv = ["--f-maps", "4", "--depth", "3", "--batch-size", "2", "--patch-size", "16", "32", "32"]
+    argv += ["--device", "cpu", "--steps", "2", "--repeats", "1", "--f-maps-list", "4"]
+    assert utilisation.main([*argv, "--precisions", "fp32", "bf16", "--with-compiled"]) == 0
+    out = capsys.readouterr().out
+    assert " threads" in out.splitlines()[0]  # the CPU is named
+    table = [line for line in out.splitlines() if line.startswith("f_maps 4, ")]
+    assert [row.split()[2] for row in table] == ["fp32", "bf16"]
+    for row in table:
+        gflop, ms, achieved, peak, util = row.split()[3:8]
+        assert float(achieved) == pytest.approx(float(gflop) / float(ms) * 1000, rel=0.05)
+        assert float(util.rstrip("%")) == pytest.approx(
+            100 * float(achieved) / float(peak), abs=1.5
+        )
+        assert row.split()[9].endswith("x")  # the compiled step's speed-up
 
 
 def test_train_step_compares_memory_formats_side_by_side(tmp_path, capsys):
