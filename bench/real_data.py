@@ -37,8 +37,8 @@ intensities (a classical rule is free to use those). The trainer's output goes t
 draws a run's curve again from its ``metrics.jsonl`` (up to ``--budget-s``). The plot has two
 panels: the whole run, and the same around the band floor, where the margin can be read.
 ``--feature-floor`` (``train`` and ``plot``) adds the learned classical floor of
-``bench/feature_floor.py`` (trees on multi-scale filters; fitted after the run, so that it does
-not share the cores with the trainer): printed, and drawn beside the band.
+``app.analysis.learned_floor`` (trees on multi-scale filters; fitted after the run, so that it
+does not share the cores with the trainer): printed, and drawn beside the band.
 """
 
 from __future__ import annotations
@@ -352,13 +352,14 @@ def floors_to_beat(data: Path, normalization: str) -> tuple[dict[str, Floors], s
 
 
 def feature_floor_dice(data: Path, normalization: str) -> float:
-    """The learned classical floor of ``bench/feature_floor.py`` (about a minute on MNI152)."""
-    from bench.feature_floor import data_root_floor
+    """The learned classical floor of ``app.analysis.learned_floor`` (about a minute on
+    MNI152)."""
+    from app.analysis.learned_floor import data_root_floor
 
     started = time.perf_counter()
-    found = data_root_floor(data, normalization)
+    found, _ = data_root_floor(data, normalization)
     print(
-        f"feature floor (bench/feature_floor.py, {normalization} images, "
+        f"feature floor (app.learned_floor, {normalization} images, "
         f"{time.perf_counter() - started:.0f} s): val Dice {found.val_dice:.4f}"
     )
     return found.val_dice
@@ -520,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode_parser.add_argument(
             "--feature-floor",
             action="store_true",
-            help="also fit the learned floor of bench/feature_floor.py (about a minute on "
+            help="also fit the learned floor of app.learned_floor (about a minute on "
             "MNI152; after training), print it and draw it",
         )
     args, rest = parser.parse_known_args(argv)

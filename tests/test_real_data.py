@@ -128,7 +128,7 @@ def test_plot_draws_a_run_again_up_to_its_budget(tmp_path, capsys):
     png.unlink()
     assert real_data.main([*argv, "--feature-floor"]) == 0
     out = capsys.readouterr().out
-    assert "feature floor (bench/feature_floor.py, " in out and "val Dice 0." in out
+    assert "feature floor (app.learned_floor, " in out and "val Dice 0." in out
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert real_data.main([*argv[:2], str(tmp_path / "none"), *argv[3:]]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err

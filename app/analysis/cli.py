@@ -1,10 +1,32 @@
 """Command-line pieces shared by the tools (``app.analysis.predict``, ``app.analysis.evaluate``,
-``app.analysis.grains``, ``app.analysis.report``), in one module so that no command imports another
-for a helper."""
+``app.analysis.grains``, ``app.analysis.report``, ``app.analysis.learned_floor``), in one module so
+that no command imports another for a helper."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LEARNED_FLOOR_JSON = "learned_floor.json"  # in a run dir: app.analysis.learned_floor -> the report
+
+
+class RunDirError(ValueError):
+    """A file of a run directory is unusable; the message names the file."""
+
+
+def run_config(run_dir: Path) -> dict[str, Any]:
+    """The settings of a run directory of app.train (its ``config.yaml``); {} when it has none."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise RunDirError(f"{path}: cannot read the run's config ({exc})") from exc
+    return data if isinstance(data, dict) else {}
 
 
 def add_spacing_argument(parser: argparse.ArgumentParser, sized: str) -> None:

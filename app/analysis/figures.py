@@ -174,8 +174,10 @@ def _class_legend(instances, classes) -> tuple[list, int]:
     return handles, len(handles)
 
 
-def curves_figure(records: list[dict[str, Any]], title: str):
-    """A 2x2 matplotlib Figure of the training curves of ``metrics.jsonl`` records."""
+def curves_figure(records: list[dict[str, Any]], title: str, learned_floor: float | None = None):
+    """A 2x2 matplotlib Figure of the training curves of ``metrics.jsonl`` records; the
+    validation panel draws the classical floor the records hold (``floor_dice``, the last one
+    logged) and ``learned_floor`` (``app.analysis.learned_floor``) as horizontal lines."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -231,6 +233,16 @@ def curves_figure(records: list[dict[str, Any]], title: str):
             fontsize=8,
         )
         axes[0, 1].set_ylim(0, 1)
+    _, logged = series("floor_dice")
+    floors = [
+        ("classical floor", logged[-1] if logged else None, "tab:grey", "--"),
+        ("learned floor", learned_floor, "tab:red", "-."),
+    ]
+    for name, dice, colour, style in floors:
+        if dice is not None:
+            axes[0, 1].axhline(dice, color=colour, ls=style, lw=1, label=f"{name} {dice:.3f}")
+    if any(dice is not None for _, dice, _, _ in floors):
+        axes[0, 1].legend(fontsize=8)
     fig.tight_layout()
     return fig
 

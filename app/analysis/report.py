@@ -2,7 +2,10 @@
 
 - ``curves.png``: train and validation loss, validation Dice and IoU (global, from summed counts;
   the per-volume mean dashed), the learning rate and the throughput, per epoch, from
-  ``metrics.jsonl``; the best epoch (highest Dice) is marked.
+  ``metrics.jsonl``; the best epoch (highest Dice) is marked, and the floors the Dice should
+  beat are drawn as horizontal lines: the classical floor the trainer logged (``floor_dice``)
+  and, when ``RUN_DIR/learned_floor.json`` exists (``python -m app.learned_floor --run
+  RUN_DIR``), the learned floor.
 - ``montage_NAME.png`` for the first ``--volumes`` validation volumes (by name): evenly spaced
   axial (z) slices through the foreground, the image in grey, the ground-truth outline and the
   prediction outline in two colours, the volume's Dice in the title. The prediction is the one
@@ -27,15 +30,14 @@ each validation) and written atomically.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import yaml
 
 from app.analysis import grains
-from app.analysis.cli import HelpFormatter
+from app.analysis.cli import LEARNED_FLOOR_JSON, HelpFormatter, RunDirError, run_config
 from app.analysis.figures import curves_figure, figure_png, montage_figure, png_bytes, psd_figure
 from app.analysis.predict import load_predictor
 from app.atomic import atomic_write_bytes
@@ -47,7 +49,7 @@ from app.engine.tracking import read_metrics
 from app.metrics import dice_iou
 
 
-class ReportError(ValueError):
+class ReportError(RunDirError):
     """The run directory is unusable; the message names the file."""
 
 
@@ -58,18 +60,27 @@ def checkpoint_path(run_dir: Path, choice: str) -> Path:
     return Path(choice)
 
 
-def run_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "config.yaml"
+def learned_floor_dice(run_dir: Path) -> float | None:
+    """The val Dice of ``RUN_DIR/learned_floor.json`` (``python -m app.learned_floor --run``),
+    or None when the run has none."""
+    path = run_dir / LEARNED_FLOOR_JSON
     if not path.is_file():
-        return {}
+        return None
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ReportError(f"{path}: cannot read the run's config ({exc})") from exc
-    return data if isinstance(data, dict) else {}
+        dice = float(json.loads(path.read_text())["val_dice"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ReportError(
+            f"{path}: unreadable ({exc!r}); fit it again with python -m app.learned_floor "
+            f"--run {run_dir}, or remove it"
+        ) from exc
+    if not 0.0 <= dice <= 1.0:
+        raise ReportError(f"{path}: val_dice {dice} is not a Dice in [0, 1]")
+    return dice
 
 
-def write_curves(run_dir: Path, out_dir: Path) -> Path:
+def curves_of_run(run_dir: Path):
+    """The curves figure of a run: its ``metrics.jsonl``, with the classical floor it logged
+    and the learned floor when ``learned_floor.json`` is there."""
     metrics = run_dir / "metrics.jsonl"
     try:
         records = read_metrics(metrics)
@@ -79,8 +90,13 @@ def write_curves(run_dir: Path, out_dir: Path) -> Path:
         raise ReportError(
             f"{metrics}: no epochs recorded; is {run_dir} a run directory of app.train?"
         )
+    title = f"{run_dir.name}: training curves"
+    return curves_figure(records, title, learned_floor=learned_floor_dice(run_dir))
+
+
+def write_curves(run_dir: Path, out_dir: Path) -> Path:
     path = out_dir / "curves.png"
-    atomic_write_bytes(path, figure_png(curves_figure(records, f"{run_dir.name}: training curves")))
+    atomic_write_bytes(path, figure_png(curves_of_run(run_dir)))
     return path
 
 
@@ -185,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m app.report",
         description="""\
 Pictures of a training run, in RUN_DIR/report/:
-  curves.png          loss, Dice, IoU, learning rate and throughput per epoch
+  curves.png          loss, Dice, IoU, learning rate and throughput per epoch; the
+                      classical floor and, when RUN_DIR/learned_floor.json is there
+                      (python -m app.learned_floor --run RUN_DIR), the learned floor
   montage_NAME.png    for the first --volumes validation volumes: z-slices with the
                       ground-truth and predicted outlines and the volume's Dice
                       (predicted as app.analysis.predict does, with the run's checkpoint)
@@ -255,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 last_epoch = read_metrics(args.run_dir / "metrics.jsonl")[-1]["epoch"]
                 log_to_tensorboard(args.run_dir, pictures, last_epoch)
     except (
-        ReportError,
+        RunDirError,
         CheckpointError,
         ConfigError,
         DataError,
