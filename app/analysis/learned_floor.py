@@ -1,8 +1,7 @@
 """The learned floor: a pixel classifier on multi-scale filter features, fitted on a data root's
 training split and scored on its validation split.
 
-    python -m app.learned_floor --data-root DIR [--normalization MODE] [--leave-one-out]
-                                [--run RUN_DIR]
+    python -m app.learned_floor --data-root DIR [--normalization MODE] [--leave-one-out] [--run R]
 
 The band of :mod:`app.analysis.floor` (logged by the trainer as ``floor_dice``) needs no
 learning. This is the next floor up, ilastik's pixel classification: each voxel described by 22
@@ -46,6 +45,7 @@ from scipy import ndimage
 from app.analysis.cli import LEARNED_FLOOR_JSON, HelpFormatter, RunDirError, run_config
 from app.analysis.floor import dice_from_counts
 from app.atomic import atomic_write_bytes, os_cause, probe_writable
+from app.labels import label_scheme
 
 SMOOTHING_SIGMAS = (0.7, 1.0, 1.6, 2.5, 3.5, 5.0)  # voxels; ilastik's scales, and 2.5
 EDGE_SIGMAS = (0.7, 1.6, 3.5)  # gradient magnitude and Laplacian of Gaussian
@@ -405,7 +405,7 @@ def resolve(args: argparse.Namespace) -> Settings:
             raise LearnedFloorError(f"--run {args.run}: no such run directory")
         config = run_config(args.run)
         classes = config.get("num_classes", 1)
-        if isinstance(classes, int) and classes > 1:
+        if label_scheme(int(classes)).choose(binary=False, classes=True):
             raise LearnedFloorError(
                 f"{args.run / 'config.yaml'}: num_classes {classes}; the learned floor is of "
                 "binary masks, multi-class runs are not supported"
