@@ -50,6 +50,13 @@ ENV NO_ALBUMENTATIONS_UPDATE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/irongrain
 
+# A C++ compiler for --compile: inductor builds its CPU kernels with one, and Triton its GPU
+# launchers. The runtime base has none, and without it --compile auto stays off and --compile on
+# is refused.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # Dependencies before code, so a code change reuses this layer. Every version comes from
 # requirements.lock, the lock CI and make install from. torch stays the base image's CUDA
 # build: pip-install-keep-torch.sh pins it and fails the build if it would change.

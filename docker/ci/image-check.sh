@@ -4,7 +4,8 @@
 #   1. the image's CMD (bash launch.sh) trains synthetic IronGrain data with 2 CPU processes;
 #   2. a SIGTERM to launch.sh mid-epoch exits 143 with a mid-epoch checkpoint, and
 #      --resume auto then completes the run;
-#   3. the original recipe's launcher, python -m torch.distributed.launch, trains;
+#   3. the original recipe's launcher, python -m torch.distributed.launch, trains compiled
+#      (--compile on: the image has the C++ compiler inductor needs);
 #   4. python -m app.predict segments the validation volumes with the run's best.pt.
 # Any failure fails the script (and `make image-check`, and CI). Needs root, buildah and
 # debootstrap; no Docker engine and no registry. What this cannot show (CUDA, NCCL, cuDNN, the
@@ -91,11 +92,12 @@ in_image bash launch.sh "${run[@]}" --resume auto || fail "--resume auto did not
 [[ $(checkpoint preempted 's["epoch"]') == 2 ]] || fail "the resumed run did not reach epoch 2"
 echo "step 2 passed ($((SECONDS - t)) s)"
 
-say "3. python -m torch.distributed.launch (the original recipe's launcher)"
+say "3. python -m torch.distributed.launch (the original recipe's launcher), compiled"
 t=$SECONDS
 in_image python3 -m torch.distributed.launch --nproc_per_node=2 -m app.train \
   --data-root /data --output-dir /runs/legacy "${small[@]}" --epochs 1 --milestones 1 \
-  --opt-level O0 --memory-format contiguous || fail "torch.distributed.launch did not train"
+  --opt-level O0 --memory-format contiguous --compile on \
+  || fail "torch.distributed.launch did not train (compiled: --compile on)"
 [[ $(checkpoint legacy 's["epoch"]') == 1 ]] || fail "legacy launcher: no epoch 1 checkpoint"
 echo "step 3 passed ($((SECONDS - t)) s)"
 
