@@ -50,11 +50,11 @@ ENV NO_ALBUMENTATIONS_UPDATE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/irongrain
 
-# A C++ compiler for --compile: inductor builds its CPU kernels with one, and Triton its GPU
-# launchers. The runtime base has none, and without it --compile auto stays off and --compile on
-# is refused.
+# A C++ compiler and Python's headers for --compile: inductor builds its CPU kernels with them,
+# and Triton its GPU launchers. The runtime base has neither, and without them --compile auto
+# stays off and --compile on is refused.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ \
+    && apt-get install -y --no-install-recommends g++ python3-dev \
     && rm -rf /var/lib/apt/lists/*
 
 # Dependencies before code, so a code change reuses this layer. Every version comes from

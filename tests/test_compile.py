@@ -99,6 +99,11 @@ def test_the_compiler_is_found_on_path(monkeypatch, tmp_path):
     compiler.write_text("#!/bin/sh\n")
     compiler.chmod(0o755)
     assert compiling.missing_compiler() == ""
+    include = tmp_path / "include"
+    monkeypatch.setattr(compiling.sysconfig, "get_paths", lambda: {"include": str(include)})
+    assert "Python.h (inductor's kernels include it: install python3-dev)" in (
+        compiling.missing_compiler()
+    )
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ uncompiled one and back.
 
 ``auto`` decides on the machine that trains, for this run's length:
 
-1. off with apex (it patches the functions dynamo would trace) or without a C++ compiler
-   (inductor builds its CPU kernels with one, Triton its GPU launchers);
+1. off with apex (it patches the functions dynamo would trace), or without a C++ compiler or
+   Python's headers (inductor builds its CPU kernels with them, Triton its GPU launchers);
 2. off without measuring when even the best speed-up seen so far (``PRIOR_SPEEDUP``, 1.26x on
    a Zen 4 CPU) could not repay a typical compile (``PRIOR_COMPILE_S``) in this run's steps:
    ``make demo`` never pays for a compile;
@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,9 +70,12 @@ class CompileDecision:
 def missing_compiler() -> str:
     """Why torch.compile cannot build kernels here, or ""."""
     names = [os.environ.get(var, "") for var in COMPILERS] + ["c++", "g++", "clang++", "cc"]
-    if any(name and shutil.which(name) for name in names):
-        return ""
-    return "no C++ compiler on PATH (inductor builds its kernels with one; set CXX)"
+    if not any(name and shutil.which(name) for name in names):
+        return "no C++ compiler on PATH (inductor builds its kernels with one; set CXX)"
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.is_file():
+        return f"no {headers} (inductor's kernels include it: install python3-dev)"
+    return ""
 
 
 def prior_too_short(steps_left: int, step_s: float) -> str:
