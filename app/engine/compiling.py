@@ -44,7 +44,7 @@ from app.engine.steps import SyntheticStepper
 from app.precision.auto import Candidate, cache_facts
 from app.precision.hardware import detect
 
-PRIOR_SPEEDUP = 1.3  # the best measured so far: 1.26x, bf16 step on a Zen 4 CPU
+PRIOR_SPEEDUP = 1.3  # the best seen: 1.26x (the bf16 demo step on Zen 4; 1.15-1.22x here)
 PRIOR_COMPILE_S = 30.0  # 18-36 s measured on 2 CPU cores; GPUs compile in a similar time
 MARGIN = 1.5  # compile only when the saving is clearly larger than the compile
 TARGET_S = 0.5  # timed steps per variant and round: about this long
@@ -76,6 +76,11 @@ def missing_compiler() -> str:
     if not headers.is_file():
         return f"no {headers} (inductor's kernels include it: install python3-dev)"
     return ""
+
+
+def cannot_compile(cfg: Config) -> str:
+    """Why ``auto`` must not compile this run, or "" (checked before anything is measured)."""
+    return "apex owns the model's functions" if cfg.amp_backend != "native" else missing_compiler()
 
 
 def prior_too_short(steps_left: int, step_s: float) -> str:
@@ -153,9 +158,7 @@ def decide_on_primary(cfg: Config, env: DistEnv, steps_left: int, step_s: float)
     rank must measure."""
     if cfg.compile != "auto":
         return {"decision": CompileDecision(cfg.compile == "on", "set", "as set").to_dict()}
-    why_not = (
-        "apex owns the model's functions" if cfg.amp_backend != "native" else missing_compiler()
-    )
+    why_not = cannot_compile(cfg)
     if why_not:
         return {"decision": CompileDecision(False, "rules", why_not).to_dict()}
     short = prior_too_short(steps_left, step_s)
@@ -181,7 +184,7 @@ def decide(cfg: Config, env: DistEnv, steps_left: int, step_s: float | None) -> 
         problem = missing_compiler()
         if problem:
             raise ConfigError(f"--compile on: {problem}; or use --compile off")
-    if cfg.compile == "auto" and step_s is None:
+    if cfg.compile == "auto" and step_s is None and not cannot_compile(cfg):
         step_s = broadcast_object(eager_step_s(cfg, env))
     plan = broadcast_object(
         decide_on_primary(cfg, env, steps_left, step_s or 0.0) if env.is_primary else None
