@@ -14,6 +14,10 @@ measured training step at a reference patch.
 tested on fingerprints written by hand. Each choice carries a one-line reason. The plan is a YAML
 file for ``--config`` (reasons as comments); ``--plan auto`` applies it inside the trainer to the
 settings the user did not give.
+
+Size (over 500 lines): the two fingerprints, the rules (each with the measurement behind it), the
+refits to the measured step and epoch, and the command; splitting the rules from the reasons they
+quote would make each harder to check against the other.
 """
 
 from __future__ import annotations
