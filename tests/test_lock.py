@@ -2,6 +2,7 @@
 image install (torch aside), and the environment the tests run in is exactly that set."""
 
 import re
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -41,9 +42,12 @@ def test_torch_is_pinned_once_outside_the_lock():
 
 
 def test_the_test_environment_is_the_lock():
+    # what the environment installed, not all of sys.path: setuptools, once torch.compile has
+    # imported it, appends its _vendor folder of other versions (packaging 24, ...) to sys.path
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     installed = {
         norm(d.metadata["Name"]): d.version
-        for d in metadata.distributions()
+        for d in metadata.distributions(path=site)
         if norm(d.metadata["Name"]) not in NOT_LOCKED
     }
     missing = {p: v for p, v in LOCK.items() if installed.get(p) != v}
