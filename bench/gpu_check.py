@@ -100,7 +100,7 @@ from app.engine.steps import (  # noqa: E402
     train_one_epoch,
 )
 from app.engine.tracking import NullTracker, read_metrics  # noqa: E402
-from app.engine.utilisation import Utilisation  # noqa: E402
+from app.engine.utilisation import Utilisation, synchronize  # noqa: E402
 from app.labels import build_loss  # noqa: E402
 from app.losses import BCEDiceLoss  # noqa: E402
 from app.metrics import class_counts  # noqa: E402
@@ -585,10 +585,10 @@ def check_compile(ctx: Context) -> None:
     first = time.perf_counter() - started
     times = {}
     for name, stepper in steppers.items():
-        sync_device(ctx.device)
+        synchronize(ctx.device)
         started = time.perf_counter()
         stepper.run(s.steps)
-        sync_device(ctx.device)
+        synchronize(ctx.device)
         times[name] = (time.perf_counter() - started) / s.steps
     keys_same = list(unwrap(steppers["compiled"].model).state_dict()) == list(
         unwrap(steppers["eager"].model).state_dict()
@@ -602,11 +602,6 @@ def check_compile(ctx: Context) -> None:
         f"steps incl. compiling {first:.0f} s; first losses {losses['eager']:.5f} / "
         f"{losses['compiled']:.5f}; checkpoint keys unchanged: {keys_same}",
     )
-
-
-def sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def check_kernels(ctx: Context) -> None:

@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ if str(ROOT) not in sys.path:
 
 from app.config import Config  # noqa: E402
 from app.distributed import DistEnv, resolve_device  # noqa: E402
+from app.engine.compiling import step_seconds  # noqa: E402
 from app.engine.steps import SyntheticStepper  # noqa: E402
 from app.engine.utilisation import autocast_dtype, measure_peak, step_flops  # noqa: E402
 from bench.train_step import parse_args, versions_line  # noqa: E402
@@ -71,12 +71,6 @@ class Row:
     times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
-def seconds_of(run, steps: int) -> float:
-    started = time.perf_counter()
-    run(steps)
-    return (time.perf_counter() - started) / steps
-
-
 def main(argv: list[str] | None = None) -> int:
     args, cfg = parse_args(argv, "bench/utilisation.py", __doc__.splitlines()[0], _add_args)
     device = resolve_device(cfg.device, 0)
@@ -106,18 +100,18 @@ def main(argv: list[str] | None = None) -> int:
             row.eager.run(1)
             if args.with_compiled:
                 row.compiled = SyntheticStepper(row_cfg, env, compile=True)
-                first = seconds_of(row.compiled.run, 1)
-                row.compile_s = first - seconds_of(row.compiled.run, 1)
+                first = step_seconds(row.compiled.run, 1)
+                row.compile_s = first - step_seconds(row.compiled.run, 1)
             rows.append(row)
         peaks[name] = measure_peak(
             device, autocast_dtype(rows[-1].cfg), memory_format == "channels_last"
         )
     for _ in range(args.repeats):  # interleaved: every row sees the same machine load
         for row in rows:
-            row.times.setdefault("eager", []).append(seconds_of(row.eager.run, args.steps))
+            row.times.setdefault("eager", []).append(step_seconds(row.eager.run, args.steps))
             if row.compiled:
                 row.times.setdefault("compiled", []).append(
-                    seconds_of(row.compiled.run, args.steps)
+                    step_seconds(row.compiled.run, args.steps)
                 )
     head = (
         f"{'model, precision':<20} {'GFLOP/step':>10} {'ms/step':>8} {'GFLOP/s':>8} "

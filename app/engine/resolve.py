@@ -135,8 +135,7 @@ def fit_plan_to_step(
 ) -> Config:
     """The plan's samples per volume rescaled to the step the precision probe measured (the
     same figures on every rank: the decision is broadcast)."""
-    measured = decision.timings.get(decision.choice.label, {}).get("ms")
-    if measured is None or plan.fit_to_step(measured / 1000.0, given) is None:
+    if decision.step_s is None or plan.fit_to_step(decision.step_s, given) is None:
         return settings
     if env.is_primary:
         log.info("--plan auto: samples_per_volume %s", plan.reasons["samples_per_volume"])

@@ -155,9 +155,7 @@ class Trainer:
                 (self.run.resumed or {}).get("metrics"),
             )
         if self.utilisation and env.is_primary:
-            probed = self.run.decision.timings.get(self.run.decision.choice.label, {})
-            step_s = probed["ms"] / 1000.0 if probed.get("ms") else None
-            log.info("utilisation: %s", self.utilisation.describe(step_s))
+            log.info("utilisation: %s", self.utilisation.describe(self.run.decision.step_s))
         every_s = checkpoint_every_s(cfg.checkpoint_every_min, env.device)
         if every_s and env.is_primary:
             log.info("mid-epoch checkpoints every %g min (--checkpoint-every-min)", every_s / 60)
@@ -271,10 +269,9 @@ def build(run: ResolvedRun, env: DistEnv, signals: StopSignals | None = None) ->
 
 def decide_compile(run: ResolvedRun, env: DistEnv, steps_per_epoch: int) -> CompileDecision:
     """``--compile`` for the steps this run has left, with the precision probe's step time."""
-    probed = run.decision.timings.get(run.decision.choice.label, {}).get("ms")
     epochs_done = (run.resumed or {}).get("epoch", 0)
     steps = steps_per_epoch * max(0, run.cfg.epochs - epochs_done)
-    decision = compiling.decide(run.cfg, env, steps, probed / 1000.0 if probed else None)
+    decision = compiling.decide(run.cfg, env, steps, run.decision.step_s)
     if env.is_primary:
         log.info("%s", decision.log_line())
     return decision

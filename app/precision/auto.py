@@ -115,6 +115,12 @@ class Decision:
     def apply(self, cfg: Config) -> Config:
         return self.choice.apply(cfg)
 
+    @property
+    def step_s(self) -> float | None:
+        """The probe's (or the cache's) step time of the chosen candidate, when it timed one."""
+        ms = self.timings.get(self.choice.label, {}).get("ms")
+        return ms / 1000.0 if ms else None
+
     def log_line(self) -> str:
         asked = [k for k in AUTO_FIELDS if self.settings.get(k) == "auto"]
         if self.source == "fixed":
