@@ -75,9 +75,9 @@ def test_cpu_plan_for_slabs():
     assert v["epochs"] * epoch_s == pytest.approx(300, rel=0.1)
     assert v["milestones"] == [round(0.6 * v["epochs"]), round(0.85 * v["epochs"])]
     assert v["val_every"] >= 1
-    # one intensity scale: flips and a mild gamma at every budget, never basic's intensity changes
-    assert v["augment"] is True and v["augment_level"] == "gamma"
-    assert make_plan(SLABS, CPU, budget_s=3600).values["augment_level"] == "gamma"
+    # one intensity scale with uniform patches: flips at every budget, the intensities untouched
+    assert v["augment"] is True and v["augment_level"] == "flips"
+    assert make_plan(SLABS, CPU, budget_s=3600).values["augment_level"] == "flips"
     assert set(plan.reasons) == set(v) and all(plan.reasons.values())
 
 
@@ -104,6 +104,9 @@ def test_patches_are_drawn_uniformly_unless_the_foreground_is_rare():
     rare = make_plan(dataclasses.replace(SLABS, foreground_fraction=0.01), CPU, budget_s=300)
     assert rare.values["foreground_fraction"] == Config().foreground_fraction == 0.33
     assert "only 1.0%" in rare.reasons["foreground_fraction"]
+    # the mild gamma measured better only with the patches centred on foreground
+    assert common.values["augment_level"] == "flips"
+    assert rare.values["augment_level"] == "gamma"
     # a given --foreground-fraction is kept
     cfg, given = load_config_and_given(["--foreground-fraction", "0.5"])
     assert apply_plan(cfg, given, common).foreground_fraction == 0.5

@@ -11,7 +11,8 @@ Six levels (``--augment-level``), geometric and/or intensity changes:
 - ``gamma``: ``flips`` and MONAI's gamma change of the image (p 0.3, gamma 0.7-1.5, the patch's
   mean and std kept): it moves the mid intensities against the ends, as the grey/CSF edge moves
   along z in MNI152, without the blur of ``basic``. The planner's level under ``dataset``
-  normalisation (a stronger gamma, p 0.6 and 0.5-2.0, cost 0.01 Dice there).
+  normalisation when a third of the patches are centred on rare foreground; with uniform patches
+  it picks ``flips`` (a stronger gamma, p 0.6 and 0.5-2.0, cost 0.01 Dice there).
 - ``spatial``: ``flips`` after MONAI's rotation, scaling and elastic deformation (as in ``full``),
   still with the intensities untouched.
 - ``basic``: random flips on the three axes, brightness/contrast, Gaussian noise and blur.
