@@ -131,6 +131,12 @@ class Config:
     batch_size: int = _opt(8, "patches per step, per process", "optim")
     lr: float = _opt(2e-4, "Adam learning rate for one process (see --lr-scaling)", "optim")
     weight_decay: float = _opt(1e-4, "Adam weight decay", "optim")
+    grad_clip: float = _opt(
+        0.0,
+        "clip the gradients' global L2 norm to this before each step (after unscaling), as "
+        "nnU-Net does (12); 0: off",
+        "optim",
+    )
     milestones: list[int] = _opt([25, 50, 75], "MultiStepLR milestones, in epochs", "optim")
     gamma: float = _opt(0.2, "MultiStepLR factor at each milestone", "optim")
     lr_scaling: Literal["none", "linear", "sqrt"] = _opt(
@@ -487,6 +493,7 @@ def validate(cfg: Config) -> None:
     need(0.0 <= cfg.foreground_fraction <= 1.0, "foreground_fraction", "must be within [0, 1]")
     need(cfg.lr > 0, "lr", "must be positive")
     need(cfg.weight_decay >= 0, "weight_decay", "must be 0 or more")
+    need(cfg.grad_clip >= 0, "grad_clip", "must be 0 (off) or more")
     need(0 < cfg.gamma <= 1, "gamma", "must be within (0, 1]")
     need(
         list(cfg.milestones) == sorted(set(cfg.milestones)) and all(m > 0 for m in cfg.milestones),

@@ -11,10 +11,14 @@ skull-stripped ICBM152 2009a symmetric T1 at 1 mm, 197x233x189, scaled to [0, 1]
 and its grey-matter probability map (``load_mni152_gm_template``, same grid). The task: label =
 GM probability > 0.5. ``--tissue wm`` writes the white-matter task instead
 (``load_mni152_wm_template``): a second real task, of another kind (one threshold on T1 is
-already a strong floor there, where grey matter needs a band). The volume is reoriented to
-(D, H, W) = (superior, anterior, right), so the trainer's patch depth runs along z, and cropped to
-the bounding box of the brain (the template is zero outside it). The inferior half of z trains
-and the superior half validates, each cut into ``--slabs`` slabs along z, one file per slab:
+already a strong floor there, where grey matter needs a band). ``--tissue gm-mask`` and
+``wm-mask`` label nilearn's tissue masks (``load_mni152_gm_mask``: probability > 0.2, closed
+by 2 iterations of binary closing): a label that is not a function of the voxel's own intensity,
+where a band is a weak floor and filters at a few voxels' scale a strong one. The volume is
+reoriented to (D, H, W) = (superior, anterior, right), so the trainer's patch depth runs along z,
+and cropped to the bounding box of the brain (the template is zero outside it). The inferior
+half of z trains and the superior half validates, each cut into ``--slabs`` slabs along z, one
+file per slab:
 
     OUT/train_patches/{images,labels}/mni152_z000_019.nii.gz ...  (inferior half)
     OUT/val_patches/{images,labels}/mni152_z077_096.nii.gz ...    (superior half)
@@ -69,7 +73,14 @@ from app.data.volume_io import VolumeMeta, is_volume_file, write_volume  # noqa:
 
 NAME_PREFIX = "mni152_z"
 PROBABILITY_THRESHOLD = 0.5  # label = tissue probability above this
-TISSUES = {"gm": "load_mni152_gm_template", "wm": "load_mni152_wm_template"}
+# label source per --tissue: a probability map (label = probability > 0.5), or nilearn's binary
+# tissue mask (its defaults: probability > 0.2, then a binary closing of 2 iterations)
+TISSUES = {
+    "gm": "load_mni152_gm_template",
+    "wm": "load_mni152_wm_template",
+    "gm-mask": "load_mni152_gm_mask",
+    "wm-mask": "load_mni152_wm_mask",
+}
 AXES = ("S", "A", "R")  # array axes after reorientation: (D, H, W) = (z, y, x)
 DEFAULT_EPOCHS = 100_000  # "until stopped": the budget ends the run
 STOP_GRACE_S = 20  # after SIGTERM, before SIGKILL
@@ -489,7 +500,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--tissue",
         choices=sorted(TISSUES),
         default="gm",
-        help="label: grey (gm, default) or white matter (wm) probability > 0.5",
+        help="label: grey (gm, default) or white matter (wm) probability > 0.5, or nilearn's "
+        "closed tissue mask (gm-mask, wm-mask)",
     )
     w.add_argument("--out", type=Path, required=True, help="data root to write")
     w.add_argument("--slabs", type=int, default=4, help="slabs per half (default 4)")

@@ -261,6 +261,47 @@ def test_single_process_prepare_leaves_the_model_bare():
     assert wrapped is model
 
 
+@pytest.mark.parametrize(("opt_level", "dtype"), [("O0", torch.float32), ("O1", torch.float16)])
+def test_grad_clip_bounds_the_true_gradient_norm(opt_level, dtype):
+    """The clip applies to the unscaled gradients (fp16 O1 unscales first), and the step that
+    follows uses them: one SGD step at lr 1 moves the weights by exactly the clipped gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    precision = NativePrecision(opt_level, dtype, "cpu", grad_clip=0.5)
+    if precision.scaler.is_enabled():  # a scale that this loss's fp16 gradients stay finite under
+        precision.scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    model, optimizer = precision.initialize(model, optimizer)
+    with precision.autocast():
+        loss = 1000 * model(torch.randn(4, 8)).pow(2).mean()  # a gradient norm far above 0.5
+    optimizer.zero_grad()
+    precision.backward(loss, optimizer)
+    assert precision.step(optimizer).item() == 0
+    moved = torch.cat([(s - p.detach()).flatten() for s, p in zip(start, model.parameters())])
+    assert moved.norm().item() == pytest.approx(0.5, rel=1e-3)
+    # below the bound nothing changes
+    small = torch.nn.Linear(8, 1)
+    grads = [torch.full_like(p, 0.01) for p in small.parameters()]
+    for p, g in zip(small.parameters(), grads):
+        p.grad = g.clone()
+    amp_ops.clip_gradients(list(small.parameters()), 0.5)
+    assert all(torch.equal(p.grad, g) for p, g in zip(small.parameters(), grads))
+
+
+def test_grad_clip_leaves_a_non_finite_step_skipped():
+    model = torch.nn.Linear(4, 1)
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.Adam(model.parameters(), fused=True)
+    precision = NativePrecision("O0", torch.float32, "cpu", grad_clip=1.0)
+    model, optimizer = precision.initialize(model, optimizer)
+    loss = model(torch.tensor([[float("inf"), 1.0, 1.0, 1.0]])).sum()
+    optimizer.zero_grad()
+    precision.backward(loss, optimizer)
+    assert precision.step(optimizer).item() == 1
+    assert all(torch.equal(s, p) for s, p in zip(start, model.parameters()))
+
+
 def test_fp16_o3_keeps_adam_finite():
     torch.manual_seed(0)
     model = UNet3d(f_maps=2, depth=3)

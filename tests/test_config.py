@@ -59,6 +59,7 @@ def test_missing_yaml_file_is_named(tmp_path):
         (["--depth", "1"], "--depth"),
         (["--patch-size", "4", "32", "32", "--depth", "4"], "--patch-size"),
         (["--ema-decay", "1.0"], "--ema-decay"),
+        (["--grad-clip", "-1"], "--grad-clip"),
         (["--augment-level", "rot90", "--patch-size", "16", "32", "48"], "--patch-size"),
         (["--num-classes", "3", "--data-access", "mmap"], "--data-access"),
     ],

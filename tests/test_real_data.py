@@ -73,6 +73,20 @@ def test_write_the_white_matter_task(tmp_path, capsys):
     assert white.image[white.label > 0].mean() > grey.image[grey.label > 0].mean()
 
 
+def test_write_the_closed_tissue_mask_task(tmp_path, capsys):
+    pytest.importorskip("nilearn")
+    gm, mask = tmp_path / "gm", tmp_path / "gm-mask"
+    assert real_data.main(["write", "--out", str(gm), "--slabs", "1", "--stride", "6"]) == 0
+    argv = ["write", "--out", str(mask), "--slabs", "1", "--stride", "6", "--tissue", "gm-mask"]
+    assert real_data.main(argv) == 0
+    assert ", GM-MASK " in capsys.readouterr().out
+    for split in ("train", "val"):
+        (grey,), (closed,) = load_split(gm, split, "raw"), load_split(mask, split, "raw")
+        np.testing.assert_array_equal(grey.image, closed.image)
+        # probability > 0.2, then closed: everything above 0.5 and more
+        assert (closed.label >= grey.label).all() and closed.label.sum() > grey.label.sum()
+
+
 def test_read_records_skips_a_line_being_written(tmp_path):
     path = tmp_path / "metrics.jsonl"
     assert real_data.read_records(path) == []

@@ -106,17 +106,37 @@ class NonFiniteGuard:
             buffer.copy_(torch.where(skip, saved, buffer))
 
 
+def clip_gradients(params, max_norm: float) -> None:
+    """Scale the gradients down to a global L2 norm of ``max_norm`` when it is above (0: off).
+
+    On the device, no host sync: a non-finite norm turns the gradients non-finite, and the step
+    is skipped as any non-finite step is. Under DDP the gradients are already all-reduced, so
+    every rank scales by the same factor.
+    """
+    if max_norm > 0:
+        grads = [p for p in params if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 NOT_INITIALIZED = "precision.step() before precision.initialize(model, optimizer)"
 
 
 # ----------------------------------------------------------------------------- backends
 class NativePrecision:
-    """torch.amp: an autocast context and a GradScaler that is enabled for fp16 O1 only."""
+    """torch.amp: an autocast context and a GradScaler that is enabled for fp16 O1 only.
+    ``grad_clip``: the gradients' largest global norm (0: unclipped), applied after unscaling."""
 
     backend = "native"
 
-    def __init__(self, opt_level: str, dtype: torch.dtype, device_type: str):
+    def __init__(
+        self, opt_level: str, dtype: torch.dtype, device_type: str, grad_clip: float = 0.0
+    ):
         self.opt_level, self.dtype, self.device_type = opt_level, dtype, device_type
+        self.grad_clip = grad_clip
         self.scaler = torch.amp.GradScaler(
             device_type, enabled=opt_level == "O1" and dtype == torch.float16
         )
@@ -159,9 +179,13 @@ class NativePrecision:
             raise RuntimeError(NOT_INITIALIZED)
         found = self.guard.check(optimizer)  # scaled gradients: Inf there is Inf unscaled too
         if self.scaler.is_enabled():
+            if self.grad_clip:
+                self.scaler.unscale_(optimizer)  # clip the true gradients; step() won't rescale
+            clip_gradients(optimizer_params(optimizer), self.grad_clip)
             self.scaler.step(optimizer)  # skips the same steps, and lowers the scale
             self.scaler.update()
         else:
+            clip_gradients(optimizer_params(optimizer), self.grad_clip)
             self.guard.step(optimizer, found)
         self.guard.restore_buffers(found)
         return found
@@ -187,8 +211,9 @@ class ApexPrecision:
     dtype = torch.float16
     device_type = "cuda"
 
-    def __init__(self, opt_level: str, fp32_op_names: list[str]):
+    def __init__(self, opt_level: str, fp32_op_names: list[str], grad_clip: float = 0.0):
         self.opt_level = opt_level
+        self.grad_clip = grad_clip
         self.fp32_op_names = list(fp32_op_names)
         self.amp = import_apex("apex.amp")
         self.guard: NonFiniteGuard | None = None
@@ -224,6 +249,8 @@ class ApexPrecision:
         if self.guard is None:
             raise RuntimeError(NOT_INITIALIZED)
         found = self.guard.check(optimizer)
+        # apex unscaled the gradients when scale_loss exited; O2 keeps them on fp32 master copies
+        clip_gradients(self.amp.master_params(optimizer), self.grad_clip)
         if self.opt_level in ("O1", "O2"):
             optimizer.step()
         else:
@@ -312,7 +339,7 @@ def build_precision(cfg: Config, device: torch.device) -> Precision:
                 f"--amp-dtype {cfg.amp_dtype} is for --amp-backend native only; "
                 "apex computes in float16"
             )
-        return ApexPrecision(cfg.opt_level, cfg.fp32_ops)
+        return ApexPrecision(cfg.opt_level, cfg.fp32_ops, cfg.grad_clip)
     if cfg.opt_level == "O2":
         raise ConfigError(
             "--opt-level O2 (fp16 model with fp32 master weights) is not offered by "
@@ -321,4 +348,4 @@ def build_precision(cfg: Config, device: torch.device) -> Precision:
     dtype = resolve_dtype(cfg, device.type)
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("--amp-dtype bfloat16: this GPU does not support bfloat16; use float16")
-    return NativePrecision(cfg.opt_level, dtype, device.type)
+    return NativePrecision(cfg.opt_level, dtype, device.type, cfg.grad_clip)
