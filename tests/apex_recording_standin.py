@@ -48,6 +48,11 @@ def install(monkeypatch) -> list[tuple]:
         CALLS.append(("amp.load_state_dict", new_state))
         state.update(new_state)
 
+    def master_params(optimizer):
+        CALLS.append(("amp.master_params",))
+        for group in optimizer.param_groups:
+            yield from group["params"]
+
     def convert_syncbn_model(model):
         CALLS.append(("parallel.convert_syncbn_model", type(model).__name__))
         return model
@@ -57,6 +62,7 @@ def install(monkeypatch) -> list[tuple]:
     amp.scale_loss = scale_loss
     amp.state_dict = state_dict
     amp.load_state_dict = load_state_dict
+    amp.master_params = master_params
     parallel.convert_syncbn_model = convert_syncbn_model
     parallel.DistributedDataParallel = RecordingDDP
     apex.amp, apex.parallel = amp, parallel

@@ -289,6 +289,19 @@ def test_grad_clip_bounds_the_true_gradient_norm(opt_level, dtype):
     assert all(torch.equal(p.grad, g) for p, g in zip(small.parameters(), grads))
 
 
+def test_apex_clips_its_master_params_before_the_step(monkeypatch):
+    calls = apex_recording_standin.install(monkeypatch)
+    model = torch.nn.Linear(8, 1)
+    start = [p.detach().clone() for p in model.parameters()]
+    apex = ApexPrecision("O1", [], grad_clip=0.5)
+    model, optimizer = apex.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    apex.backward(model(torch.randn(4, 8)).pow(2).mean(), optimizer)
+    assert apex.step(optimizer).item() == 0
+    assert calls[-1] == ("amp.master_params",)
+    moved = torch.cat([(s - p.detach()).flatten() for s, p in zip(start, model.parameters())])
+    assert moved.norm().item() == pytest.approx(0.5, rel=1e-3)
+
+
 def test_grad_clip_leaves_a_non_finite_step_skipped():
     model = torch.nn.Linear(4, 1)
     start = [p.detach().clone() for p in model.parameters()]

@@ -249,8 +249,8 @@ class ApexPrecision:
         if self.guard is None:
             raise RuntimeError(NOT_INITIALIZED)
         found = self.guard.check(optimizer)
-        # apex unscaled the gradients when scale_loss exited; O2 keeps them on fp32 master copies
-        clip_gradients(self.amp.master_params(optimizer), self.grad_clip)
+        if self.grad_clip:  # apex unscaled them when scale_loss exited; O2: fp32 master copies
+            clip_gradients(list(self.amp.master_params(optimizer)), self.grad_clip)
         if self.opt_level in ("O1", "O2"):
             optimizer.step()
         else:
