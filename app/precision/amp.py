@@ -181,11 +181,12 @@ class NativePrecision:
         if self.scaler.is_enabled():
             if self.grad_clip:
                 self.scaler.unscale_(optimizer)  # clip the true gradients; step() won't rescale
-            clip_gradients(optimizer_params(optimizer), self.grad_clip)
+                clip_gradients(optimizer_params(optimizer), self.grad_clip)
             self.scaler.step(optimizer)  # skips the same steps, and lowers the scale
             self.scaler.update()
         else:
-            clip_gradients(optimizer_params(optimizer), self.grad_clip)
+            if self.grad_clip:
+                clip_gradients(optimizer_params(optimizer), self.grad_clip)
             self.guard.step(optimizer, found)
         self.guard.restore_buffers(found)
         return found
