@@ -52,6 +52,8 @@ def test_cpu_plan_for_slabs():
     v = plan.values
     assert v["normalization"] == "dataset"  # 0.965 vs 0.815: per-volume z-scores break the band
     assert v["batch_size"] == 2 and v["norm"] == "none" and v["f_maps"] == 8
+    # Adam 3e-3 with no norm layer spiked and collapsed in 900 s runs; clipped at 2, it did not
+    assert v["lr"] == 3e-3 and v["grad_clip"] == 2.0
     # 0.05 s at 16x64x64 measured, 0.1 s wanted: 2x the reference voxels, capped (more steps
     # beat larger patches on CPU), and no larger than the volumes (19 -> 24 deep at most)
     assert v["patch_size"][0] <= 24 and all(p % 8 == 0 for p in v["patch_size"])
@@ -86,6 +88,7 @@ def test_gpu_plan_for_ct():
     v = plan.values
     assert v["normalization"] == "zscore"  # dataset gains less than the margin
     assert v["batch_size"] == 8 and v["norm"] == "batch" and v["f_maps"] == 32
+    assert "grad_clip" not in v  # measured on CPU plans only: off, the default
     assert math.prod(v["patch_size"]) <= 32 * 160 * 160 and v["depth"] == 4
     assert v["block"] == "residual"
     assert v["patch_size"][0] <= 80  # never deeper than the volumes (74, rounded up to 8)
@@ -110,6 +113,31 @@ def test_patches_are_drawn_uniformly_unless_the_foreground_is_rare():
     # a given --foreground-fraction is kept
     cfg, given = load_config_and_given(["--foreground-fraction", "0.5"])
     assert apply_plan(cfg, given, common).foreground_fraction == 0.5
+
+
+def test_the_plan_builds_on_the_settings_given():
+    planned = make_plan(SLABS, CPU, budget_s=300).values
+    # the augmentation follows a given foreground share, as it follows the plan's own
+    oversampled = make_plan(SLABS, CPU, budget_s=300, given={"foreground_fraction": 0.33})
+    assert oversampled.values["augment_level"] == "gamma"
+    assert oversampled.reasons["foreground_fraction"].startswith("given; the plan's own: 0.0")
+    rare = dataclasses.replace(SLABS, foreground_fraction=0.01)
+    uniform = make_plan(rare, CPU, budget_s=300, given={"foreground_fraction": 0.0})
+    assert uniform.values["augment_level"] == "flips"
+    # the milestones are fractions of the given epochs, not of the plan's
+    assert planned["epochs"] != 40
+    assert make_plan(SLABS, CPU, 300, given={"epochs": 40}).values["milestones"] == [24, 34]
+    # a batch large enough for BatchNorm's statistics gets it
+    assert make_plan(SLABS, CPU, 300, given={"batch_size": 8}).values["norm"] == "batch"
+    # a given patch: the pooling and the epoch's length are the ones of that patch
+    small = make_plan(SLABS, CPU, 300, given={"patch_size": [16, 32, 32]})
+    assert small.values["patch_size"] == [16, 32, 32] and small.values["depth"] == 3
+    assert small.values["samples_per_volume"] > 2 * planned["samples_per_volume"]
+    # a given value the plan would also choose keeps the plan's reason
+    same = make_plan(SLABS, CPU, 300, given={"batch_size": 2})
+    assert same.reasons["batch_size"] == make_plan(SLABS, CPU, 300).reasons["batch_size"]
+    # only what the plan chooses is kept with it (a checkpoint holds plain data)
+    assert make_plan(SLABS, CPU, 300, given={"data_root": "d", "epochs": 9}).given == {"epochs": 9}
 
 
 def test_validation_cadence_follows_its_cost():

@@ -112,7 +112,7 @@ def planned(
         if env.is_primary:
             try:
                 processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-                result = plan_for(settings, env.device, processes)
+                result = plan_for(settings, given, env.device, processes)
             except (DataError, VolumeError) as exc:
                 result = str(exc)
         result = broadcast_object(result)
