@@ -100,6 +100,12 @@ class Config:
         "do not depend on the batch; or none (small batches; see README)",
         "model",
     )
+    activation: Literal["relu", "leaky_relu"] = _opt(
+        "relu",
+        "nonlinearity after each norm: relu, or leaky_relu (slope 0.01, as nnU-Net), which keeps "
+        "units alive that a ReLU with no norm layer before it can lose for good",
+        "model",
+    )
     block: Literal["plain", "residual"] = _opt(
         "plain",
         "encoder level: plain (two convolutions) or residual (the same two with a shortcut, as "

@@ -425,6 +425,7 @@ def cache_facts(cfg: Config, caps: Capabilities, cands: list[Candidate]) -> dict
             "depth": cfg.depth,
             "norm": cfg.norm,  # InstanceNorm is 25x slower channels_last on CPU (torch 2.13)
             "block": cfg.block,  # other layers, other kernels: the kernel check must see them
+            "activation": cfg.activation,
             "patch_size": list(cfg.patch_size),
             "batch_size": cfg.batch_size,
             "amp_backend": cfg.amp_backend,
