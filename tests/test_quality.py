@@ -70,6 +70,31 @@ def test_norm_layers(norm):
         UNet3d(1, 1, 8, 3, norm="layer")
 
 
+@pytest.mark.parametrize("block", ["plain", "residual"])
+def test_leaky_relu_keeps_a_gradient_where_relu_has_none(block):
+    relu = UNet3d(1, 1, f_maps=4, depth=3, norm="none", block=block)
+    leaky = UNet3d(1, 1, f_maps=4, depth=3, norm="none", block=block, activation="leaky_relu")
+    leaky.load_state_dict(relu.state_dict())  # no parameters of its own: checkpoints fit both
+    acts = [type(m) for m in leaky.modules() if isinstance(m, (torch.nn.ReLU, torch.nn.LeakyReLU))]
+    assert acts and set(acts) == {torch.nn.LeakyReLU}
+    assert all(m.negative_slope == 0.01 for m in leaky.modules() if type(m) in acts)
+    # every unit of the stem dead: all its inputs negative
+    for model in (relu, leaky):
+        first = model.encoders[0][0] if block == "plain" else model.encoders[0].branch[0]
+        with torch.no_grad():
+            first.weight.zero_()
+            first.bias.fill_(-1.0)
+    x = torch.randn(1, 1, 8, 8, 8)
+    grads = []
+    for model in (relu, leaky):
+        model(x).sum().backward()
+        first = model.encoders[0][0] if block == "plain" else model.encoders[0].branch[0]
+        grads.append(first.weight.grad.abs().sum().item())
+    assert grads[0] == 0 and grads[1] > 0  # a dead ReLU learns nothing; a leaky one recovers
+    with pytest.raises(ValueError, match="unknown activation"):
+        UNet3d(1, 1, 4, 3, activation="gelu")
+
+
 @pytest.mark.parametrize("norm", ["batch", "none"])
 def test_residual_encoder_adds_its_shortcut(norm):
     model = UNet3d(1, 1, f_maps=4, depth=3, norm=norm, block="residual").eval()
