@@ -178,15 +178,14 @@ class NativePrecision:
         if self.guard is None:
             raise RuntimeError(NOT_INITIALIZED)
         found = self.guard.check(optimizer)  # scaled gradients: Inf there is Inf unscaled too
-        if self.scaler.is_enabled():
-            if self.grad_clip:
+        if self.grad_clip:
+            if self.scaler.is_enabled():
                 self.scaler.unscale_(optimizer)  # clip the true gradients; step() won't rescale
-                clip_gradients(optimizer_params(optimizer), self.grad_clip)
+            clip_gradients(optimizer_params(optimizer), self.grad_clip)
+        if self.scaler.is_enabled():
             self.scaler.step(optimizer)  # skips the same steps, and lowers the scale
             self.scaler.update()
         else:
-            if self.grad_clip:
-                clip_gradients(optimizer_params(optimizer), self.grad_clip)
             self.guard.step(optimizer, found)
         self.guard.restore_buffers(found)
         return found
