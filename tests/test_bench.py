@@ -30,6 +30,7 @@ train_step = load("bench_train_step", "bench/train_step.py")
 data_pipeline = load("bench_data_pipeline", "bench/data_pipeline.py")
 gpu_check = load("bench_gpu_check", "bench/gpu_check.py")
 utilisation = load("bench_utilisation", "bench/utilisation.py")
+versus = load("bench_versus", "bench/versus.py")
 
 
 AUGMENT_MODES = ["off", "flips", "rot90", "gamma", "spatial", "basic", "full"]
@@ -65,6 +66,22 @@ def test_utilisation_prints_flops_peak_and_their_ratio_per_row(capsys):
         assert achieved == pytest.approx(gflop / ms * 1000, abs=0.5 + gflop / ms * 1000 * 0.05)
         assert util == pytest.approx(100 * achieved / peak, abs=1 + 100 * 0.5 / peak)
         assert row.split()[9].endswith("x")  # the compiled step's speed-up
+
+
+def test_versus_times_a_revision_and_this_tree_side_by_side(capsys):
+    argv = [*TINY, "--device", "cpu", "--precision", "fp32", "--steps", "1", "--repeats", "2"]
+    assert versus.main([*argv, "--baseline", "HEAD", "--candidate-flags", "--f-maps 2"]) == 0
+    out = capsys.readouterr().out
+    assert " threads" in out.splitlines()[0]  # the CPU is named
+    base, candidate = out.splitlines()[-2:]
+    assert base.startswith("baseline HEAD ") and " 1.00x " in base
+    assert candidate.startswith("candidate (this tree) ") and " --f-maps 2 " in candidate
+    assert float(re.search(r" (\d+\.\d\d)x ", candidate).group(1)) > 0
+
+
+def test_versus_names_a_revision_that_does_not_exist(capsys):
+    with pytest.raises(SystemExit, match=r"--baseline no-such-revision: "):
+        versus.main([*TINY, "--device", "cpu", "--baseline", "no-such-revision"])
 
 
 def test_train_step_compares_memory_formats_side_by_side(tmp_path, capsys):

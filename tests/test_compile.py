@@ -14,6 +14,7 @@ from test_distributed import launch, records
 from app.config import Config, ConfigError, load_config
 from app.distributed import DistEnv
 from app.engine import compiling
+from app.model import ReLU
 
 ENV = DistEnv(0, 0, 1, torch.device("cpu"))
 FAST = {"eager_s": 0.200, "compiled_s": 0.100, "compile_s": 30.0}  # 2x, 30 s to compile
@@ -159,3 +160,47 @@ def test_two_gloo_processes_train_compiled(tmp_path):
     assert all(r["skipped_steps"] == 0 and r["dice"] >= 0 for r in rows)
     resolved = json.dumps((run_dir / "config.yaml").read_text())
     assert "compile" in resolved
+
+
+def test_relu_under_compile_matches_eager_and_saves_no_bool_mask():
+    """app.model.ReLU traces as _ReLUFromItsOutput on CPU: the same outputs and gradients as
+    the eager nn.ReLU, and no boolean tensor saved between forward and backward (inductor's CPU
+    code for bools is the slow path it works around; nn.ReLU here saves one)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    x = torch.randn(2, 8, 4, 6, 6).contiguous(memory_format=torch.channels_last_3d)
+    x[0, 0, 0, 0, :2] = 0.0  # ties at the threshold get no gradient, as in nn.ReLU
+
+    def saved_dtypes(relu):
+        saved = []
+
+        def forward_compiler(graph, _inputs):
+            (outputs,) = next(node.args for node in graph.graph.nodes if node.op == "output")
+            saved.extend(node.meta["val"].dtype for node in outputs[1:])  # [0]: the loss
+            return graph
+
+        backend = aot_autograd(  # inductor's decompositions and partitioner, no codegen
+            fw_compiler=forward_compiler,
+            bw_compiler=lambda graph, _inputs: graph,
+            decompositions=select_decomp_table(),
+            partition_fn=min_cut_rematerialization_partition,
+        )
+        # only the mask is needed for the backward: the output goes into a sum
+        torch.compile(lambda t: relu(t).sum(), backend=backend)(x.clone().requires_grad_())
+        return saved
+
+    assert torch.bool in saved_dtypes(torch.nn.ReLU())
+    assert saved_dtypes(ReLU()) and torch.bool not in saved_dtypes(ReLU())
+
+    def net(t):
+        return ReLU(inplace=True)(t * 1.5).square().sum()
+
+    grads = []
+    for run in (net, torch.compile(net)):
+        leaf = x.clone().requires_grad_()
+        run(leaf).backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+    assert (grads[1][0, 0, 0, 0, :2] == 0).all() and (grads[1][x < 0] == 0).all()
