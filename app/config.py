@@ -106,6 +106,13 @@ class Config:
         "units alive that a ReLU with no norm layer before it can lose for good",
         "model",
     )
+    init: Literal["pytorch", "he"] = _opt(
+        "pytorch",
+        "weight initialisation: pytorch (the layers' defaults), or he (nnU-Net's: Kaiming normal "
+        "for leaky ReLU 0.01, zero biases), which keeps the signal's scale through layers that "
+        "have no norm after them",
+        "model",
+    )
     block: Literal["plain", "residual"] = _opt(
         "plain",
         "encoder level: plain (two convolutions) or residual (the same two with a shortcut, as "

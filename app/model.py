@@ -12,6 +12,7 @@ from torch.nn import functional as F
 NORMS = ("batch", "instance", "group", "none")
 ACTIVATIONS = ("relu", "leaky_relu")
 LEAKY_SLOPE = 0.01  # nnU-Net's
+INITS = ("pytorch", "he")
 Kernel = tuple[int, int, int]
 
 
@@ -89,6 +90,24 @@ class ReLU(nn.ReLU):
         if torch.compiler.is_compiling() and x.device.type == "cpu":
             return _ReLUFromItsOutput.apply(x)
         return super().forward(x)
+
+
+def initialise(model: nn.Module, init: str) -> nn.Module:
+    """``pytorch`` leaves every layer's default: Kaiming uniform with a=sqrt(5), a variance of
+    1/(3 fan_in), which with no norm layer shrinks the signal's second moment about sixfold per
+    convolution and ReLU, until the random biases decide which units fire (the plan's U-Net at
+    initialisation: logits with a std of 0.014). ``he`` is nnU-Net's InitWeights_He: Kaiming
+    normal for a leaky ReLU of slope 0.01 and zero biases, so the signal keeps its scale."""
+    if init == "pytorch":
+        return model
+    if init != "he":
+        raise ValueError(f"unknown init {init!r}; choose one of {', '.join(INITS)}")
+    for module in model.modules():
+        if isinstance(module, nn.Conv3d | nn.ConvTranspose3d):
+            nn.init.kaiming_normal_(module.weight, a=LEAKY_SLOPE)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    return model
 
 
 def activation_layer(activation: str) -> nn.Module:
@@ -212,6 +231,7 @@ class UNet3d(nn.Module):
         block: str = "plain",
         pools: list[Kernel] | None = None,
         activation: str = "relu",
+        init: str = "pytorch",
     ):
         super().__init__()
         encoder = encoder_block(block)
@@ -239,6 +259,7 @@ class UNet3d(nn.Module):
             for a, b, k in zip(widths[::-1], widths[-2::-1], reversed(self.pools))
         )
         self.head = nn.Conv3d(widths[0], n_classes, kernel_size=1)
+        initialise(self, init)
 
     @property
     def min_size(self) -> Kernel:
@@ -338,6 +359,7 @@ def build_model(cfg, device: torch.device) -> UNet3d:
         cfg.block,
         pools,
         cfg.activation,
+        cfg.init,
     )
     model = model.to(device)
     if resolve_memory_format(cfg.memory_format, device) == "channels_last":

@@ -70,6 +70,36 @@ def test_norm_layers(norm):
         UNet3d(1, 1, 8, 3, norm="layer")
 
 
+def test_he_init_keeps_the_signal_of_a_net_with_no_norm():
+    """--init he: every convolution Kaiming normal (fan in, leaky ReLU 0.01) with zero biases,
+    and the plan's no-norm U-Net's logits keep the input's scale; the default leaves PyTorch's
+    layers as they are (the same weights as before the option)."""
+    torch.manual_seed(0)
+    default = UNet3d(1, 1, 4, 3, "none", "residual")
+    torch.manual_seed(0)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            default.state_dict().values(),
+            UNet3d(1, 1, 4, 3, "none", "residual", init="pytorch").state_dict().values(),
+        )
+    )
+    torch.manual_seed(0)
+    he = UNet3d(1, 1, 4, 3, "none", "residual", init="he")
+    convs = [m for m in he.modules() if isinstance(m, torch.nn.Conv3d | torch.nn.ConvTranspose3d)]
+    assert len(convs) > 10 and all(not m.bias.abs().sum() for m in convs if m.bias is not None)
+    gain = (2 / (1 + 0.01**2)) ** 0.5
+    for conv in convs:
+        if conv.weight.numel() >= 1000:  # enough weights for their std to be near the init's
+            fan_in = torch.nn.init._calculate_fan_in_and_fan_out(conv.weight)[0]
+            assert conv.weight.std().item() * fan_in**0.5 == pytest.approx(gain, rel=0.15)
+    x = torch.randn(2, 1, 16, 32, 32)
+    with torch.no_grad():
+        assert default(x).std() < 0.1 and 0.3 < he(x).std() < 10
+    with pytest.raises(ValueError, match="unknown init 'xavier'"):
+        UNet3d(1, 1, 4, 3, "none", "residual", init="xavier")
+
+
 @pytest.mark.parametrize("block", ["plain", "residual"])
 def test_leaky_relu_keeps_a_gradient_where_relu_has_none(block):
     relu = UNet3d(1, 1, f_maps=4, depth=3, norm="none", block=block)
