@@ -38,8 +38,7 @@ if str(ROOT) not in sys.path:
 from app.config import load_config  # noqa: E402
 from app.distributed import resolve_device  # noqa: E402
 from bench.train_step import versions_line  # noqa: E402
-
-PRECISIONS = {"fp32": ("O0", "bfloat16"), "bf16": ("O1", "bfloat16"), "fp16": ("O1", "float16")}
+from bench.utilisation import PRECISIONS  # noqa: E402
 
 # Runs in the worker's own tree, so it uses only what both revisions have: load_config,
 # resolve_device, DistEnv and SyntheticStepper (whose compile= exists in the candidate alone).
