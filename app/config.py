@@ -216,6 +216,14 @@ class Config:
     val_share: float = _opt(0.1, "share of training time that --val-every 0 allows", "eval")
     sw_overlap: float = _opt(0.5, "sliding-window overlap for --val-mode whole", "eval")
     sw_batch_size: int = _opt(2, "windows per forward pass in sliding-window inference", "eval")
+    tta: bool = _opt(
+        False,
+        "score the final model with the logits averaged over the 8 mirrorings (8x that "
+        "inference's time; nnU-Net's final validation): best.pt at the end of training and the "
+        "checkpoint of --eval-only, in eval.json; app.analysis.predict then mirrors by default. "
+        "Validation during training, which picks best.pt, stays unmirrored",
+        "eval",
+    )
 
     # distributed / device
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "auto picks CUDA when present", "dist")

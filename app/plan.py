@@ -395,6 +395,13 @@ def make_plan(
         f"validation estimated at {val_s:.1f} s: at most {VAL_SHARE:.0%} of training time "
         "(the last epoch is always validated)",
     )
+    plan.choose(
+        "tta",
+        True,
+        "best.pt scored with the 8 mirrorings at the end (as nnU-Net's final validation; one "
+        "validation at 8x its cost): on MNI152 it added 0.0000-0.0021 to the best val Dice of "
+        "every one of 6 runs (300 and 900 s, grey and white matter), never less",
+    )
     plan.given = {k: v for k, v in plan.given.items() if k in plan.values}  # the checkpoint's
     return plan
 

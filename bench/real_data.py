@@ -248,7 +248,9 @@ def plot_curve(
     budget_s: float,
     title: str,
     feature_floor: float | None = None,
+    mirrored: tuple[float, float] | None = None,
 ) -> None:
+    """``mirrored``: (training seconds, Dice) of best.pt scored with mirroring, a star."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -259,7 +261,7 @@ def plot_curve(
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
     band = floors.band.val_dice
     best = max((d for _, d in points), default=band)
-    top = max(best, band, feature_floor or 0.0)
+    top = max(best, band, feature_floor or 0.0, mirrored[1] if mirrored else 0.0)
     for ax, low in zip(axes, (0.0, band - 0.03)):
         if points:
             ax.plot(*zip(*points), marker="o", ms=3, label="model, val Dice (global)")
@@ -270,6 +272,15 @@ def plot_curve(
             ls=":",
             label=f"threshold floor ({mode} images) {floors.threshold.val_dice:.3f}",
         )
+        if mirrored:
+            ax.plot(
+                *mirrored,
+                marker="*",
+                ms=10,
+                ls="none",
+                color="tab:purple",
+                label=f"best.pt with the 8 mirrorings {mirrored[1]:.4f}",
+            )
         if feature_floor is not None:
             ax.axhline(
                 feature_floor,
@@ -343,6 +354,30 @@ def watch(
         time.sleep(poll_s)
 
 
+def mirrored_score(run_dir: Path, nproc: int, trainer_args: list[str]) -> dict | None:
+    """``--tta`` (the plan sets it): ``best.pt`` scored with the 8 mirrorings, from the
+    ``eval.json`` that the trainer writes when it ends by itself; for a run that the budget
+    stopped first, from the trainer's own ``--eval-only`` of ``best.pt``. ``None`` without."""
+    import yaml
+
+    report, best = run_dir / "eval.json", run_dir / "checkpoints" / "best.pt"
+    if not report.is_file():
+        try:
+            tta = yaml.safe_load((run_dir / "config.yaml").read_text()).get("tta", False)
+        except (OSError, AttributeError, yaml.YAMLError):
+            tta = False
+        if not tta or not best.is_file():
+            return None
+        # the last --resume wins: best.pt instead of the run's "none"
+        command, env = trainer_command(nproc, [*trainer_args, "--eval-only", "--resume", str(best)])
+        with open(run_dir / "real_data_eval.log", "wb") as log:
+            subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        return json.loads(report.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def run_normalization(run_dir: Path, default: str) -> str:
     """The normalisation the trainer used, from its config.yaml (``--plan auto`` may set it)."""
     import yaml
@@ -393,7 +428,12 @@ def replot(args: argparse.Namespace) -> int:
     budget_s = args.budget_s if math.isfinite(args.budget_s) else progress.train_s
     floors = candidates[floor_mode]
     learned = feature_floor_dice(Path(args.data), floor_mode) if args.feature_floor else None
-    plot_curve(Path(args.plot), progress.rows, floors, floor_mode, budget_s, title, learned)
+    report = Path(args.run) / "eval.json"
+    scored = json.loads(report.read_text()) if report.is_file() else {}
+    mirrored = (progress.train_s, scored["dice"]) if scored.get("tta") else None
+    plot_curve(
+        Path(args.plot), progress.rows, floors, floor_mode, budget_s, title, learned, mirrored
+    )
     print(f"plot: {args.plot} ({len(progress.rows)} epochs, {progress.train_s:.1f} s of training)")
     return 0
 
@@ -476,16 +516,31 @@ def train(args: argparse.Namespace, trainer_args: list[str]) -> int:
             f"did not beat the band floor ({progress.floor:.4f}) in {progress.train_s:.1f} s "
             "of training"
         )
+    mirrored = mirrored_score(run_dir, args.nproc, trainer_args) if validated else None
+    if mirrored:
+        print(
+            f"best.pt (epoch {mirrored['epoch']}) with the 8 mirrorings (--tta): val Dice "
+            f"{mirrored['dice']:.4f}"
+        )
     learned = None
     if args.feature_floor:  # after the run: it would share the cores with the trainer
         learned = feature_floor_dice(Path(args.data), floor_mode)
         if validated:
             best = max(r[2] for r in validated)
             print(f"the model's best against the feature floor: {best - learned:+.4f}")
+            if mirrored:
+                print(f"mirrored, against the feature floor: {mirrored['dice'] - learned:+.4f}")
     if args.plot:
         title = f"{args.data} ({run_normalization(run_dir, cfg.normalization)}): {user_args}"
         plot_curve(
-            Path(args.plot), progress.rows, floors, floor_mode, args.budget_s, title, learned
+            Path(args.plot),
+            progress.rows,
+            floors,
+            floor_mode,
+            args.budget_s,
+            title,
+            learned,
+            mirrored and (progress.train_s, mirrored["dice"]),
         )
         print(f"plot: {args.plot}")
     return 1 if failed else 0

@@ -70,8 +70,20 @@ def data(tmp_path_factory):
 
 def test_two_cpu_processes_train_and_evaluate_exactly_like_one(data, tmp_path):
     run_dir = tmp_path / "run"
-    launch([*TINY, "--data-root", data, "--output-dir", run_dir, "--epochs", 2], NPROC_PER_NODE=2)
+    argv = [*TINY, "--data-root", data, "--output-dir", run_dir, "--epochs", 2, "--tta"]
+    launch(argv, NPROC_PER_NODE=2)
     assert [(r["epoch"], r["world_size"]) for r in records(run_dir)] == [(1, 2), (2, 2)]
+    # --tta: at the end both ranks scored best.pt mirrored (rank 0 read it and sent its weights),
+    # each volume once, as one process scores it
+    mirrored = json.loads((run_dir / "eval.json").read_text())
+    best = run_dir / "checkpoints/best.pt"
+    assert mirrored["tta"] is True and mirrored["checkpoint"] == str(best)
+    out = tmp_path / "mirrored1"
+    argv = [*TINY, "--data-root", data, "--output-dir", out, "--eval-only", "--tta"]
+    launch([*argv, "--resume", best], NPROC_PER_NODE=1)
+    alone = json.loads((out / "eval.json").read_text())
+    counts = [[(v["tp"], v["fp"], v["fn"]) for v in r["volumes"]] for r in (mirrored, alone)]
+    assert counts[0] == counts[1] and alone["dice"] == mirrored["dice"]
 
     checkpoint = run_dir / "checkpoints/last.pt"
     reports = {}

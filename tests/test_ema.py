@@ -106,10 +106,10 @@ def test_training_validates_saves_and_predicts_with_the_average(dataset, tmp_pat
 
 
 def test_without_the_flag_checkpoints_predict_with_their_own_weights(dataset, tmp_path):
-    state = torch.load(
-        train_tiny(dataset, tmp_path / "run") / "checkpoints/last.pt", weights_only=True
-    )
+    run_dir = train_tiny(dataset, tmp_path / "run")
+    state = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
     assert state["ema"] is None and inference_weights(state) is state["model"]
+    assert not (run_dir / "eval.json").exists()  # written at the end with --tta only
 
 
 def test_resume_with_the_average_matches_an_uninterrupted_run(dataset, tmp_path):

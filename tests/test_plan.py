@@ -77,6 +77,7 @@ def test_cpu_plan_for_slabs():
     assert v["epochs"] * epoch_s == pytest.approx(300, rel=0.1)
     assert v["milestones"] == [round(0.6 * v["epochs"]), round(0.85 * v["epochs"])]
     assert v["val_every"] >= 1
+    assert v["tta"] is True  # best.pt scored mirrored at the end: never lower on MNI152
     # one intensity scale with uniform patches: flips at every budget, the intensities untouched
     assert v["augment"] is True and v["augment_level"] == "flips"
     assert make_plan(SLABS, CPU, budget_s=3600).values["augment_level"] == "flips"

@@ -115,7 +115,7 @@ def test_the_plot_shows_the_run_whole_and_around_the_floor(tmp_path):
     )
     rows = [(10.0, 1, 0.67), (20.0, 2, None), (30.0, 3, 0.958)]  # epoch 2 was not validated
     path = tmp_path / "plots" / "curve.png"
-    real_data.plot_curve(path, rows, floors, "raw", 300.0, "a title")
+    real_data.plot_curve(path, rows, floors, "raw", 300.0, "a title", 0.962, (30.0, 0.963))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert Image.open(path).size[0] > 1.5 * Image.open(path).size[1]  # two panels side by side
 
@@ -146,3 +146,26 @@ def test_plot_draws_a_run_again_up_to_its_budget(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert real_data.main([*argv[:2], str(tmp_path / "none"), *argv[3:]]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_the_mirrored_score_of_best_pt_comes_from_eval_json_or_an_eval_only(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("tta: false\n")
+    assert real_data.mirrored_score(run, 2, ["--plan", "auto"]) is None  # not asked for
+    (run / "config.yaml").write_text("tta: true\n")
+    assert real_data.mirrored_score(run, 2, ["--plan", "auto"]) is None  # no best.pt yet
+    best = run / "checkpoints" / "best.pt"
+    best.write_bytes(b"")
+    launched = []
+
+    def eval_only(command, **kwargs):  # the budget stopped the trainer before its own scoring
+        launched.append(command)
+        (run / "eval.json").write_text(json.dumps({"epoch": 7, "tta": True, "dice": 0.97}))
+
+    monkeypatch.setattr(real_data.subprocess, "run", eval_only)
+    scored = real_data.mirrored_score(run, 2, ["--plan", "auto", "--resume", "none"])
+    assert scored == {"epoch": 7, "tta": True, "dice": 0.97}
+    assert launched[0][0] == "bash" and launched[0][-3:] == ["--eval-only", "--resume", str(best)]
+    # a trainer that ended by itself wrote eval.json: read, nothing launched
+    assert real_data.mirrored_score(run, 2, []) == scored and len(launched) == 1

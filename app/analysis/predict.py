@@ -388,8 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tta",
-        action="store_true",
-        help="average over the 8 mirrorings (8x slower; differs from the trainer's validation)",
+        action=argparse.BooleanOptionalAction,
+        help="average over the 8 mirrorings (8x slower; default: the checkpoint's tta, on for "
+        "a run trained with --tta, whose eval.json scored best.pt so)",
     )
     parser.add_argument(
         "--save",
@@ -481,7 +482,7 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
             args.window,
             args.overlap,
             args.sw_batch_size,
-            args.tta,
+            cfg.tta if args.tta is None else args.tta,
         )
         if env.is_primary:
             log.info(

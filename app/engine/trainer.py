@@ -9,6 +9,7 @@ checkpoint; the plan refit and preemption are hooks (``app.engine.hooks``) calle
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -31,7 +32,12 @@ from app.distributed import (
     unwrap,
 )
 from app.engine import compiling
-from app.engine.checkpoint import checkpoint_dir, remove_stale_temporaries
+from app.engine.checkpoint import (
+    CheckpointError,
+    checkpoint_dir,
+    load_checkpoint,
+    remove_stale_temporaries,
+)
 from app.engine.checkpointer import WRITE_ERRORS, Checkpointer, build_checkpointer
 from app.engine.compiled_model import compile_model
 from app.engine.compiling import CompileDecision
@@ -167,8 +173,9 @@ class Trainer:
         cadence = ValidationCadence(cfg.val_every, cfg.epochs, start, cfg.val_share)
         return control, cadence, floor
 
-    def validate(self, model: nn.Module) -> tuple[EvalResult, Any]:
-        """Exact sharded evaluation of ``model`` (a module, or the weight average's copy)."""
+    def validate(self, model: nn.Module, tta: bool = False) -> tuple[EvalResult, Any]:
+        """Exact sharded evaluation of ``model`` (a module, or the weight average's copy);
+        ``tta``: the logits averaged over the 8 mirrorings."""
         cfg = self.run.cfg
         broadcast_buffers(model)  # every rank evaluates the model that rank 0 saves
         window = tuple(cfg.patch_size)
@@ -183,6 +190,7 @@ class Trainer:
             cfg.sw_overlap,
             cfg.sw_batch_size,
             cfg.classes,
+            tta,
         )
 
     def end_epoch(self, record: dict, sample, improved: bool) -> None:
@@ -200,17 +208,51 @@ class Trainer:
                 self.progress.best_dice,
                 record.get("iou", float("nan")),
             )
+        if self.run.cfg.tta and record.get("epoch") == self.run.cfg.epochs:
+            self.score_best_mirrored()
         return record
+
+    def score_best_mirrored(self) -> None:
+        """``--tta``: ``best.pt``'s inference weights scored with the 8 mirrorings, into
+        ``eval.json``. Rank 0 reads the file (the only rank that surely sees it) and sends the
+        weights to the others, which score their share of the volumes."""
+        path = checkpoint_dir(self.run.cfg.run_dir) / "best.pt"
+        best: dict[str, Any] | CheckpointError | None = None
+        if self.env.is_primary:
+            try:
+                state = load_checkpoint(path)
+                best = {"epoch": state["epoch"], "weights": inference_weights(state)}
+            except CheckpointError as exc:  # every rank stops with it, none waits for rank 0
+                best = exc
+        best = broadcast_object(best)
+        if isinstance(best, CheckpointError):
+            raise best
+        model = copy.deepcopy(self.evaluated)
+        model.load_state_dict(best["weights"])
+        result, _ = self.validate(model, tta=True)
+        report = self.run.cfg.run_dir / "eval.json"
+        source = {"checkpoint": str(path), "tta": True}
+        run_on_primary((OSError,), write_eval_report, report, result, best["epoch"], source)
+        if self.env.is_primary:
+            log.info(
+                "best.pt (epoch %d) with mirroring: val dice %.4f (%.4f without), iou %.4f; in %s",
+                best["epoch"],
+                result.summary()["dice"],
+                self.progress.best_dice,
+                result.summary()["iou"],
+                report,
+            )
 
     def evaluate_only(self) -> dict[str, Any]:
         """``--eval-only``: score the checkpoint's inference weights, write ``eval.json``."""
         self.evaluated.load_state_dict(
             inference_weights(self.run.resumed)
         )  # as app.analysis.predict
-        result, _ = self.validate(self.evaluated)
+        result, _ = self.validate(self.evaluated, tta=self.run.cfg.tta)
         epoch = self.progress.epoch
         report = self.run.cfg.run_dir / "eval.json"
-        run_on_primary((OSError,), write_eval_report, report, result, epoch)
+        source = {"checkpoint": str(self.run.resume_from), "tta": self.run.cfg.tta}
+        run_on_primary((OSError,), write_eval_report, report, result, epoch, source)
         if self.env.is_primary:
             log.info("eval of epoch %d: %s", epoch, result.summary())
         return result.summary()
@@ -283,6 +325,8 @@ def start_run_dir(run: ResolvedRun) -> None:
         log.info("removed %s, left by a checkpoint write that was interrupted", path)
 
 
-def write_eval_report(path: Path, result: EvalResult, epoch: int) -> None:
-    report = {"epoch": epoch, **result.summary(), "volumes": result.volume_rows()}
+def write_eval_report(
+    path: Path, result: EvalResult, epoch: int, source: dict[str, Any] | None = None
+) -> None:
+    report = {"epoch": epoch, **(source or {}), **result.summary(), "volumes": result.volume_rows()}
     atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())

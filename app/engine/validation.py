@@ -144,10 +144,12 @@ def evaluate(
     overlap: float,
     sw_batch_size: int,
     classes: Sequence[str] = (),
+    tta: bool = False,
 ) -> tuple[EvalResult, SliceSample | None]:
     """Evaluate the unwrapped ``model`` (a DDP wrapper would broadcast buffers on every forward,
     a collective that ranks with different shard sizes would not all reach). ``classes``: the
-    K >= 2 class names, background first (none: the binary task)."""
+    K >= 2 class names, background first (none: the binary task); ``tta``: the logits averaged
+    over the 8 mirrorings."""
     classes = list(classes)
     labels = scheme_of_names(classes)
     blend, overlap = ("gaussian", overlap) if mode == "whole" else ("constant", 0.0)
@@ -158,7 +160,9 @@ def evaluate(
     model.eval()
     for index in shard(volumes, env):
         vol = volumes[index]
-        logits = predict_logits(model, vol.image, window, precision, overlap, sw_batch_size, blend)
+        logits = predict_logits(
+            model, vol.image, window, precision, overlap, sw_batch_size, blend, tta
+        )
         label = torch.as_tensor(vol.label, device=env.device)[None, None]
         table[index, :-1] = labels.counts(logits, label).flatten()
         table[index, -1] = loss_fn(logits, label).double()
