@@ -317,3 +317,14 @@ def test_large_data_prints_rss_and_rate_for_each_access(tmp_path):
     ]
     assert all(float(line.split()[3]) > 100 for line in table)  # a peak RSS was read, in MiB
     assert "large_data: torch" in done.stdout and not work.exists()
+
+
+def test_conv_layout_times_both_layouts_per_precision(capsys):
+    conv_layout = load("bench_conv_layout", "bench/conv_layout.py")
+    argv = ["--convs", "2:4", "--shape", "4", "8", "8", "--repeats", "1"]
+    assert conv_layout.main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "->" in line]
+    assert [line.split()[1] for line in lines] == ["bf16", "bf16-weights", "fp32"]
+    assert all(line.split()[0] == "2->4" and "x  (" in line for line in lines)
+    with pytest.raises(SystemExit):
+        conv_layout.main(["--convs", "8"])
