@@ -234,12 +234,13 @@ class Trainer:
         source = {"checkpoint": str(path), "tta": True}
         run_on_primary((OSError,), write_eval_report, report, result, best["epoch"], source)
         if self.env.is_primary:
+            figures = result.summary()
             log.info(
                 "best.pt (epoch %d) with mirroring: val dice %.4f (%.4f without), iou %.4f; in %s",
                 best["epoch"],
-                result.summary()["dice"],
+                figures["dice"],
                 self.progress.best_dice,
-                result.summary()["iou"],
+                figures["iou"],
                 report,
             )
 
