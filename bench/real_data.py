@@ -354,14 +354,23 @@ def watch(
         time.sleep(poll_s)
 
 
+def mirrored_report(run_dir: Path) -> dict | None:
+    """The run's ``eval.json`` when it holds a mirrored score (``"tta": true``), else ``None``."""
+    try:
+        report = json.loads((run_dir / "eval.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) and report.get("tta") else None
+
+
 def mirrored_score(run_dir: Path, nproc: int, trainer_args: list[str]) -> dict | None:
     """``--tta`` (the plan sets it): ``best.pt`` scored with the 8 mirrorings, from the
     ``eval.json`` that the trainer writes when it ends by itself; for a run that the budget
     stopped first, from the trainer's own ``--eval-only`` of ``best.pt``. ``None`` without."""
     import yaml
 
-    report, best = run_dir / "eval.json", run_dir / "checkpoints" / "best.pt"
-    if not report.is_file():
+    best = run_dir / "checkpoints" / "best.pt"
+    if mirrored_report(run_dir) is None:
         try:
             tta = yaml.safe_load((run_dir / "config.yaml").read_text()).get("tta", False)
         except (OSError, AttributeError, yaml.YAMLError):
@@ -372,10 +381,7 @@ def mirrored_score(run_dir: Path, nproc: int, trainer_args: list[str]) -> dict |
         command, env = trainer_command(nproc, [*trainer_args, "--eval-only", "--resume", str(best)])
         with open(run_dir / "real_data_eval.log", "wb") as log:
             subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        return json.loads(report.read_text())
-    except (OSError, ValueError):
-        return None
+    return mirrored_report(run_dir)
 
 
 def run_normalization(run_dir: Path, default: str) -> str:
@@ -428,9 +434,8 @@ def replot(args: argparse.Namespace) -> int:
     budget_s = args.budget_s if math.isfinite(args.budget_s) else progress.train_s
     floors = candidates[floor_mode]
     learned = feature_floor_dice(Path(args.data), floor_mode) if args.feature_floor else None
-    report = Path(args.run) / "eval.json"
-    scored = json.loads(report.read_text()) if report.is_file() else {}
-    mirrored = (progress.train_s, scored["dice"]) if scored.get("tta") else None
+    scored = mirrored_report(Path(args.run))
+    mirrored = (progress.train_s, scored["dice"]) if scored else None
     plot_curve(
         Path(args.plot), progress.rows, floors, floor_mode, budget_s, title, learned, mirrored
     )

@@ -153,6 +153,9 @@ def test_the_mirrored_score_of_best_pt_comes_from_eval_json_or_an_eval_only(tmp_
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("tta: false\n")
     assert real_data.mirrored_score(run, 2, ["--plan", "auto"]) is None  # not asked for
+    (run / "eval.json").write_text(json.dumps({"epoch": 2, "tta": False, "dice": 0.9}))
+    assert real_data.mirrored_score(run, 2, []) is None  # an unmirrored --eval-only's report
+    (run / "eval.json").unlink()
     (run / "config.yaml").write_text("tta: true\n")
     assert real_data.mirrored_score(run, 2, ["--plan", "auto"]) is None  # no best.pt yet
     best = run / "checkpoints" / "best.pt"
