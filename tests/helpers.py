@@ -7,6 +7,7 @@ Importing this module sets the environment the tests were written for (one threa
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -161,3 +162,8 @@ def train_tiny(data: Path, run_dir: Path, *extra: str, epochs: int = 2) -> Path:
     ]
     assert train_main(args) == 0
     return run_dir
+
+
+def records(run_dir: Path | str) -> list[dict]:
+    """The run's ``metrics.jsonl``, one dict per epoch."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

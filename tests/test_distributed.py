@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY, free_port, write_dataset
+from helpers import ROOT, TINY, free_port, records, write_dataset
 
 from app.config import Config
 from app.distributed import init_distributed
@@ -56,10 +56,6 @@ def launch(args, timeout=240, **env):
     # the installed torchrun (torch 2.13) has --shutdown-timeout: launch.sh keeps it, silently
     assert "has no --shutdown-timeout" not in result.stderr
     return result
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import TINY, train_tiny
+from helpers import TINY, records, train_tiny
 from torch import nn
 
 from app.analysis.predict import load_predictor
@@ -80,10 +80,6 @@ def test_its_state_round_trips():
     copy.load_state_dict(average.state_dict())
     assert copy.updates == 1 and copy.current_decay() == average.current_decay()
     assert torch.equal(copy.model.linear.weight, average.model.linear.weight)
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_training_validates_saves_and_predicts_with_the_average(dataset, tmp_path):

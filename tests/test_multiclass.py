@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TIMING, TINY, write_phases
+from helpers import TIMING, TINY, records, write_phases
 
 from app.config import Config, ConfigError, load_config
 from app.data.dataset import DataError, PatchDataset, load_split
@@ -223,10 +223,6 @@ def train_args(data, run_dir, epochs, *extra):
         "0.5",
         *map(str, extra),
     ]
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_k3_trains_reports_per_class_and_resumes_exactly(phases, tmp_path):

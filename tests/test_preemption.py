@@ -2,7 +2,6 @@
 mid-epoch checkpoint, the run exits 128 + 15, and ``--resume auto`` continues at that step with
 the figures of an uninterrupted run (1e-6)."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,16 +9,12 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, TIMING, TINY, write_dataset
+from helpers import ROOT, TIMING, TINY, records, write_dataset
 from torch.utils.data import DistributedSampler
 
 from app.engine.epoch_position import EpochPosition, ResumableSampler
 from app.engine.preemption import EpochControl
 from app.train import main
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_epochs(straight, resumed):

@@ -3,12 +3,11 @@ layers, the classical floor beside the model's Dice, the validation cadence and 
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import records
 
 from app.analysis.floor import floors_from_volumes
 from app.analysis.predict import load_predictor
@@ -22,10 +21,6 @@ from app.train import main
 
 def run(args):
     return main([str(a) for a in args])
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_dataset_normalisation_is_fitted_on_train_and_kept_in_the_checkpoint(dataset, tmp_path):

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import ROOT, TIMING, write_dataset
+from helpers import ROOT, TIMING, records, write_dataset
 
 from app.engine.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
 from app.train import main
@@ -17,10 +17,6 @@ from app.train import main
 
 def run(args):
     return main([str(a) for a in args])
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_training_writes_the_run_dir(dataset, tmp_path, tiny_args):

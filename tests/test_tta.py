@@ -4,17 +4,13 @@ figures from ``--eval-only``; ``app.analysis.predict`` mirrors by default for su
 import json
 
 import torch
-from helpers import TINY, train_tiny
+from helpers import TINY, records, train_tiny
 
 from app.analysis import predict as predict_cli
 from app.analysis.predict import load_predictor
 from app.data.dataset import load_split
 from app.metrics import confusion_counts, dice_iou
 from app.train import main
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def mirrored_dice(checkpoint, data_root, tta: bool) -> float:
