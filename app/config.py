@@ -144,6 +144,12 @@ class Config:
     batch_size: int = _opt(8, "patches per step, per process", "optim")
     lr: float = _opt(2e-4, "Adam learning rate for one process (see --lr-scaling)", "optim")
     weight_decay: float = _opt(1e-4, "Adam weight decay", "optim")
+    decoupled_weight_decay: bool = _opt(
+        False,
+        "decay the weights directly each step, by lr x --weight-decay (AdamW), instead of adding "
+        "the decay to the gradient, where Adam's per-weight scaling cancels most of it",
+        "optim",
+    )
     grad_clip: float = _opt(
         0.0,
         "clip the gradients' global L2 norm to this before each step (after unscaling), as "

@@ -348,3 +348,20 @@ def test_channels_last_model_matches_contiguous_and_takes_plain_inputs():
     assert resolve_memory_format("contiguous", CPU) == "contiguous"
     built = build_model(Config(f_maps=2, depth=3, memory_format="contiguous"), CPU)
     assert built.encoders[0][0].weight.is_contiguous()
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_weight_decay_modes(decoupled):
+    """With no gradient, AdamW's decay shrinks each weight by lr x decay; Adam's L2 decay enters
+    the gradient, which Adam normalises into a full step of about lr whatever the decay."""
+    from app.engine.steps import build_optimizer
+
+    layer = nn.Linear(4, 4)
+    before = layer.weight.detach().clone()
+    cfg = Config(lr=1e-2, weight_decay=0.5, decoupled_weight_decay=decoupled)
+    optimizer = build_optimizer(layer, cfg, DistEnv(0, 0, 1, torch.device("cpu")), "native")
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    expected = before * (1 - 1e-2 * 0.5) if decoupled else before - 1e-2 * before.sign()
+    torch.testing.assert_close(layer.weight.detach(), expected, rtol=0, atol=1e-6)

@@ -40,6 +40,7 @@ def build_optimizer(
         model.parameters(),
         lr=scaled_lr(cfg, env.world_size),
         weight_decay=cfg.weight_decay,
+        decoupled_weight_decay=cfg.decoupled_weight_decay,
         fused=backend == "native" and env.device.type in ("cpu", "cuda"),
     )
 
