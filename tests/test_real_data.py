@@ -172,3 +172,46 @@ def test_the_mirrored_score_of_best_pt_comes_from_eval_json_or_an_eval_only(tmp_
     assert launched[0][0] == "bash" and launched[0][-3:] == ["--eval-only", "--resume", str(best)]
     # a trainer that ended by itself wrote eval.json: read, nothing launched
     assert real_data.mirrored_score(run, 2, []) == scored and len(launched) == 1
+
+
+def write_run(run: Path, dices: list[float | None], mirrored: float | None = None) -> Path:
+    """A run dir as the trainer leaves it: one record per epoch of 10 s and 50 patches."""
+    run.mkdir(parents=True)
+    records = [
+        {"epoch": epoch, "train_time_s": 10.0, "samples_per_s": 5.0}
+        | ({} if dice is None else {"dice": dice})
+        for epoch, dice in enumerate(dices, start=1)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if mirrored is not None:
+        (run / "eval.json").write_text(json.dumps({"tta": True, "dice": mirrored}))
+    return run
+
+
+def test_summary_sets_runs_side_by_side_against_the_floor(tmp_path, capsys):
+    a = write_run(tmp_path / "a", [0.90, None, 0.96, 0.95, 0.94, 0.93], mirrored=0.9625)
+    b = write_run(tmp_path / "b", [0.91, 0.97, 0.96, 0.94])
+    (b / "learned_floor.json").write_text(json.dumps({"val_dice": 0.969}))
+    assert real_data.main(["summary", str(a), str(b), "--floor", "0.965"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()}
+    # a: 6 epochs, 60 s, 300 patches, best 0.96 at 30 s; settled = mean of epochs 4-6
+    assert rows["a"][1:8] == ["6", "60", "0.3k", "0.9600", "30", "0.9400", "0.9360"]
+    assert rows["a"][8:] == ["0.9625", "0.9650", "-0.0025"]  # scored mirrored
+    assert rows["b"][4:] == ["0.9700", "20", "0.9500", "0.9450", "-", "0.9650", "+0.0050"]
+    assert rows["mean"][1:] == ["0.9650", "0.9450", "0.9405", "-"]  # b has no eval.json
+    assert "within 0.003 of the learned floor: 2 of 2 runs; above it: 1" in out
+    # without --floor, each run's learned_floor.json; a run without one is not judged
+    assert real_data.main(["summary", str(a), str(b), "--budget-s", "15"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()}
+    assert rows["b"][1:3] == ["2", "20"] and rows["b"][-2:] == ["0.9690", "+0.0010"]
+    assert rows["a"][-2:] == ["-", "-"] and "floor: 1 of 1 runs" in out
+
+
+def test_summary_names_a_run_dir_it_cannot_read(tmp_path, capsys):
+    assert real_data.main(["summary", str(tmp_path / "nowhere")]) == 2
+    assert f"no metrics.jsonl in {tmp_path / 'nowhere'}" in capsys.readouterr().err
+    write_run(tmp_path / "early", [None, None])
+    assert real_data.main(["summary", str(tmp_path / "early")]) == 2
+    assert "early/metrics.jsonl: no validation recorded" in capsys.readouterr().err
