@@ -215,3 +215,7 @@ def test_summary_names_a_run_dir_it_cannot_read(tmp_path, capsys):
     write_run(tmp_path / "early", [None, None])
     assert real_data.main(["summary", str(tmp_path / "early")]) == 2
     assert "early/metrics.jsonl: no validation recorded" in capsys.readouterr().err
+    run = write_run(tmp_path / "floorless", [0.9])
+    (run / "learned_floor.json").write_text("{")
+    assert real_data.main(["summary", str(run)]) == 2
+    assert "floorless/learned_floor.json: unreadable" in capsys.readouterr().err
