@@ -88,7 +88,14 @@ def parse_args(
     bench = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_bench_args(bench)
     args, rest = bench.parse_known_args(argv)
-    return args, load_config(rest)
+    cfg = load_config(rest)
+    if cfg.plan == "auto":  # the trainer plans at start; a benchmark would time the defaults
+        raise ConfigError(
+            "--plan auto: the benchmark times the model its flags describe and plans nothing; "
+            "write the plan with `python -m app.plan --data-root DIR --budget-s S --out "
+            "plan.yaml` and pass --config plan.yaml"
+        )
+    return args, cfg
 
 
 def _add_args(parser: argparse._ActionsContainer) -> None:

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from app.config import Config  # noqa: E402
+from app.config import Config, ConfigError  # noqa: E402
 from app.distributed import DistEnv, resolve_device  # noqa: E402
 from app.engine.compiling import step_seconds  # noqa: E402
 from app.engine.steps import SyntheticStepper  # noqa: E402
@@ -72,7 +72,11 @@ class Row:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, cfg = parse_args(argv, "bench/utilisation.py", __doc__.splitlines()[0], _add_args)
+    try:
+        args, cfg = parse_args(argv, "bench/utilisation.py", __doc__.splitlines()[0], _add_args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     device = resolve_device(cfg.device, 0)
     env = DistEnv(0, 0, 1, device)
     # every row compiles the same forward at other shapes: keep them all compiled

@@ -137,6 +137,10 @@ def test_bench_scripts_report_bad_settings_without_a_traceback(tmp_path, capsys)
     assert "error: --patch-size must be at least 8" in capsys.readouterr().err
     assert data_pipeline.main(["--data-root", str(tmp_path / "missing")]) == 2
     assert "data root is missing" in capsys.readouterr().err
+    # the trainer plans at start; a benchmark that took --plan auto would time the defaults
+    for bench in (train_step, utilisation):
+        assert bench.main([*TINY, "--device", "cpu", "--plan", "auto"]) == 2
+        assert "--plan auto: the benchmark times the model its flags" in capsys.readouterr().err
 
 
 def test_data_pipeline_generates_data_and_compares_augmentation(capsys):
