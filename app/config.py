@@ -172,6 +172,12 @@ class Config:
         1.0, "weight of the BCE term of the loss (cross-entropy with --num-classes >= 2)", "optim"
     )
     dice_weight: float = _opt(1.0, "weight of the soft Dice term of the loss", "optim")
+    batch_dice: bool = _opt(
+        False,
+        "compute the soft Dice over each process's whole batch (nnU-Net's batch Dice) instead "
+        "of per patch and averaged",
+        "optim",
+    )
 
     # mixed precision
     amp_backend: Literal["native", "apex"] = _opt(

@@ -140,7 +140,7 @@ class LabelScheme:
         """The caller's variant for this scheme, where two paths differ by more than a value."""
         raise NotImplementedError
 
-    def loss(self, bce_weight: float, dice_weight: float) -> nn.Module:
+    def loss(self, bce_weight: float, dice_weight: float, batch_dice: bool = False) -> nn.Module:
         raise NotImplementedError
 
     def counts(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -206,8 +206,8 @@ class BinaryLabels(LabelScheme):
     def choose(self, binary: T, classes: T) -> T:
         return binary
 
-    def loss(self, bce_weight: float, dice_weight: float) -> nn.Module:
-        return BCEDiceLoss(bce_weight, dice_weight)
+    def loss(self, bce_weight: float, dice_weight: float, batch_dice: bool = False) -> nn.Module:
+        return BCEDiceLoss(bce_weight, dice_weight, batch_dice=batch_dice)
 
     def counts(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return confusion_counts(logits, target)[None]
@@ -256,8 +256,8 @@ class ClassLabels(LabelScheme):
     def choose(self, binary: T, classes: T) -> T:
         return classes
 
-    def loss(self, bce_weight: float, dice_weight: float) -> nn.Module:
-        return CEDiceLoss(self.num_classes, bce_weight, dice_weight)
+    def loss(self, bce_weight: float, dice_weight: float, batch_dice: bool = False) -> nn.Module:
+        return CEDiceLoss(self.num_classes, bce_weight, dice_weight, batch_dice=batch_dice)
 
     def counts(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return class_counts(logits, target)
@@ -330,5 +330,7 @@ def scheme_of_names(classes: Sequence[str] | None) -> LabelScheme:
 
 def build_loss(cfg) -> nn.Module:
     """BCE + Dice for the binary task (``--num-classes 1``), CE + Dice over K classes otherwise;
-    ``--bce-weight`` weighs the BCE or the CE term."""
-    return label_scheme(cfg.num_classes, cfg.class_names).loss(cfg.bce_weight, cfg.dice_weight)
+    ``--bce-weight`` weighs the BCE or the CE term, ``--batch-dice`` takes the Dice over the
+    batch."""
+    scheme = label_scheme(cfg.num_classes, cfg.class_names)
+    return scheme.loss(cfg.bce_weight, cfg.dice_weight, cfg.batch_dice)

@@ -48,6 +48,21 @@ def test_bce_dice_formula():
     assert torch.allclose(BCEDiceLoss(0.3, 0.7)(logits, target), expected, atol=1e-6)
 
 
+def test_batch_dice_is_one_dice_over_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 1, 4, 5, 6).to(memory_format=torch.channels_last_3d)
+    target = torch.zeros(2, 1, 4, 5, 6)
+    target[0, :, :2] = 1  # half the first patch; one voxel of the second
+    target[1, 0, 0, 0, 0] = 1
+    p, g = torch.sigmoid(logits), target
+    dice = (2 * (p * g).sum() + 1) / (p.sum() + g.sum() + 1)
+    expected = F.binary_cross_entropy_with_logits(logits, target) + 1 - dice
+    got = BCEDiceLoss(batch_dice=True)(logits, target)
+    assert torch.allclose(got, expected, atol=1e-6)
+    # per patch, the one-voxel patch weighs as much as the half-full one: a different loss
+    assert not torch.allclose(BCEDiceLoss()(logits, target), got, atol=1e-3)
+
+
 def test_loss_of_a_perfect_empty_prediction_is_small():
     logits = torch.full((1, 1, 4, 4, 4), -20.0)
     assert BCEDiceLoss()(logits, torch.zeros_like(logits)) < 1e-6

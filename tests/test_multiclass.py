@@ -33,7 +33,7 @@ def phases(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- loss and metrics
-def independent_ce_dice(logits, target, ce_weight, dice_weight):
+def independent_ce_dice(logits, target, ce_weight, dice_weight, batch_dice=False):
     """The documented formula, written out with numpy in float64."""
     z = logits.double().numpy()
     g = target[:, 0].long().numpy()
@@ -43,7 +43,8 @@ def independent_ce_dice(logits, target, ce_weight, dice_weight):
     onehot = np.stack([g == c for c in range(k)], 1).astype(float)
     ce = -(np.log((p * onehot).sum(1))).mean()
     dices = []
-    for b in range(z.shape[0]):
+    samples = [slice(None)] if batch_dice else range(z.shape[0])
+    for b in samples:
         for c in range(1, k):
             pc, yc = p[b, c].ravel(), onehot[b, c].ravel()
             dices.append((2 * (pc * yc).sum() + 1) / (pc.sum() + yc.sum() + 1))
@@ -56,12 +57,19 @@ def test_ce_dice_loss_matches_an_independent_computation():
     target = torch.randint(0, 4, (2, 1, 3, 5, 6)).float()
     got = CEDiceLoss(4, 0.3, 0.7)(logits, target)
     assert got.item() == pytest.approx(independent_ce_dice(logits, target, 0.3, 0.7), abs=1e-6)
+    batch = CEDiceLoss(4, 0.3, 0.7, batch_dice=True)(logits, target)
+    expected = independent_ce_dice(logits, target, 0.3, 0.7, batch_dice=True)
+    assert batch.item() == pytest.approx(expected, abs=1e-6)
+    assert batch.item() != pytest.approx(got.item(), abs=1e-4)
 
 
 def test_build_loss_picks_by_num_classes():
     assert isinstance(build_loss(Config()), BCEDiceLoss)
+    assert build_loss(Config(batch_dice=True)).batch_dice
     loss = build_loss(Config(num_classes=3, bce_weight=0.5, dice_weight=2.0))
     assert isinstance(loss, CEDiceLoss) and (loss.ce_weight, loss.dice_weight) == (0.5, 2.0)
+    assert not loss.batch_dice
+    assert build_loss(Config(num_classes=3, batch_dice=True)).batch_dice
 
 
 def test_softmax_loss_and_counts_stay_float32_under_autocast():
