@@ -43,7 +43,9 @@ draws a run's curve again from its ``metrics.jsonl`` (up to ``--budget-s``). The
 panels: the whole run, and the same around the band floor, where the margin can be read.
 ``--feature-floor`` (``train`` and ``plot``) adds the learned classical floor of
 ``app.analysis.learned_floor`` (trees on multi-scale filters; fitted after the run, so that it
-does not share the cores with the trainer): printed, and drawn beside the band.
+does not share the cores with the trainer): printed, and drawn beside the band. ``train`` writes
+it to the run's ``learned_floor.json``, which ``plot`` (without ``--feature-floor``) and
+``summary`` then read instead of fitting it again.
 
 ``summary`` sets runs side by side, one row each, since a 300 s run's best is mostly where its
 noise lands and an arm is judged over several seeds: the best val Dice and when, the settled
@@ -515,22 +517,38 @@ def floors_to_beat(data: Path, normalization: str) -> tuple[dict[str, Floors], s
     return candidates, max(candidates, key=lambda mode: candidates[mode].band.val_dice)
 
 
-def feature_floor_dice(data: Path, normalization: str) -> float:
+def feature_floor_dice(data: Path, normalization: str, run_dir: Path | None = None) -> float:
     """The learned classical floor of ``app.analysis.learned_floor`` (about a minute on
-    MNI152)."""
-    from app.analysis.learned_floor import data_root_floor
+    MNI152); with ``run_dir``, also written to its ``learned_floor.json``, as ``python -m
+    app.learned_floor --run`` writes it, so that ``plot`` and ``summary`` need not fit it again."""
+    from app.analysis.cli import LEARNED_FLOOR_JSON
+    from app.analysis.learned_floor import (
+        SAMPLES_PER_VOLUME,
+        Settings,
+        data_root_floor,
+        result_record,
+    )
+    from app.atomic import atomic_write_bytes
 
     started = time.perf_counter()
-    found, _ = data_root_floor(data, normalization)
+    found, size = data_root_floor(data, normalization)
+    wall_s = time.perf_counter() - started
     print(
-        f"feature floor (app.learned_floor, {normalization} images, "
-        f"{time.perf_counter() - started:.0f} s): val Dice {found.val_dice:.4f}"
+        f"feature floor (app.learned_floor, {normalization} images, {wall_s:.0f} s): "
+        f"val Dice {found.val_dice:.4f}"
     )
+    if run_dir is not None:
+        settings = Settings(data, normalization, 0, False, SAMPLES_PER_VOLUME, run_dir)
+        record = json.dumps(result_record(found, size, settings, wall_s), indent=2) + "\n"
+        atomic_write_bytes(run_dir / LEARNED_FLOOR_JSON, record.encode())
     return found.val_dice
 
 
 def replot(args: argparse.Namespace) -> int:
-    """The plot of a run that ``train`` watched (or any run dir), again, up to ``--budget-s``."""
+    """The plot of a run that ``train`` watched (or any run dir), again, up to ``--budget-s``;
+    the learned floor from the run's ``learned_floor.json``, or fitted with ``--feature-floor``."""
+    from app.analysis.report import learned_floor_dice
+
     metrics = Path(args.run) / "metrics.jsonl"
     if not metrics.is_file():
         print(f"error: {metrics} does not exist: --run takes a trainer's run dir", file=sys.stderr)
@@ -545,7 +563,14 @@ def replot(args: argparse.Namespace) -> int:
     title = args.title or f"{args.data} ({normalization}): {args.run}"
     budget_s = args.budget_s if math.isfinite(args.budget_s) else progress.train_s
     floors = candidates[floor_mode]
-    learned = feature_floor_dice(Path(args.data), floor_mode) if args.feature_floor else None
+    if args.feature_floor:
+        learned = feature_floor_dice(Path(args.data), floor_mode)
+    else:  # the one train --feature-floor or app.learned_floor --run wrote, if any
+        try:
+            learned = learned_floor_dice(Path(args.run))
+        except ValueError as exc:  # report.ReportError: an unreadable learned_floor.json
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     scored = mirrored_report(Path(args.run))
     mirrored = (progress.train_s, scored["dice"]) if scored else None
     plot_curve(
@@ -641,7 +666,7 @@ def train(args: argparse.Namespace, trainer_args: list[str]) -> int:
         )
     learned = None
     if args.feature_floor:  # after the run: it would share the cores with the trainer
-        learned = feature_floor_dice(Path(args.data), floor_mode)
+        learned = feature_floor_dice(Path(args.data), floor_mode, run_dir)
         if validated:
             best = max(r[2] for r in validated)
             print(f"the model's best against the feature floor: {best - learned:+.4f}")
@@ -713,7 +738,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--feature-floor",
             action="store_true",
             help="also fit the learned floor of app.learned_floor (about a minute on "
-            "MNI152; after training), print it and draw it",
+            "MNI152; after training), print it and draw it (train: into the run's "
+            "learned_floor.json too; plot draws that one without this flag)",
         )
     args, rest = parser.parse_known_args(argv)
     if rest and args.mode != "train":

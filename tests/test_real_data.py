@@ -148,6 +148,40 @@ def test_plot_draws_a_run_again_up_to_its_budget(tmp_path, capsys):
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
+def test_the_fitted_feature_floor_is_kept_in_the_run_and_drawn_from_there(
+    tmp_path, capsys, monkeypatch
+):
+    rng = np.random.default_rng(1)
+    for split in ("train_patches", "val_patches"):
+        for name in ("a", "b"):
+            image = rng.random((4, 8, 8)).astype(np.float32)
+            for kind, array in (("images", image), ("labels", (image > 0.6).astype(np.uint8))):
+                path = tmp_path / "data" / split / kind / f"{name}.npy"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_volume(path, array, VolumeMeta(".npy"))
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"epoch": e, "train_time_s": 10.0, "dice": 0.5 + e / 10} for e in range(1, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    fitted = real_data.feature_floor_dice(tmp_path / "data", "raw", run)
+    assert "feature floor (app.learned_floor, raw images" in capsys.readouterr().out
+    kept = json.loads((run / "learned_floor.json").read_text())
+    assert kept["val_dice"] == fitted and kept["settings"]["normalization"] == "raw"
+    drawn = {}
+    monkeypatch.setattr(
+        real_data, "plot_curve", lambda *a: drawn.update(learned=a[6]), raising=True
+    )
+    argv = ["plot", "--run", str(run), "--data", str(tmp_path / "data"), "--plot", "x.png"]
+    assert real_data.main(argv) == 0
+    assert drawn["learned"] == fitted  # read from the run, not fitted again
+    assert "feature floor (app.learned_floor" not in capsys.readouterr().out
+    assert real_data.main(["summary", str(run)]) == 0
+    assert f"{fitted:.4f}" in capsys.readouterr().out
+    (run / "learned_floor.json").write_text("{not json")
+    assert real_data.main(argv) == 2
+    assert "learned_floor.json: unreadable" in capsys.readouterr().err
+
+
 def test_the_mirrored_score_of_best_pt_comes_from_eval_json_or_an_eval_only(tmp_path, monkeypatch):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
