@@ -261,14 +261,6 @@ def make_plan(
             "0.9672 and 0.9662 against 0.9659 and 0.9643; white matter 0.9805 and 0.9770 "
             "against 0.9791 and 0.9776; no collapse on a closed tissue mask)",
         )
-        plan.choose(
-            "batch_dice",
-            True,
-            "one Dice over each step's batch, as validation scores a volume: a patch with a "
-            "few foreground voxels no longer weighs as much as a full one (MNI152, 300 s, 5 "
-            "seeds on an Intel Xeon: grey matter 0.9649 against 0.9631, higher in each seed; "
-            "white matter 0.9776 against 0.9773; the settled level +0.002 on both)",
-        )
     plan.choose(
         "f_maps",
         CPU_F_MAPS if cpu else CUDA_F_MAPS,

@@ -54,7 +54,6 @@ def test_cpu_plan_for_slabs():
     assert v["batch_size"] == 2 and v["norm"] == "none" and v["f_maps"] == 8
     # Adam 3e-3 with no norm layer spiked and collapsed in 900 s runs; clipped at 2, it did not
     assert v["lr"] == 3e-3 and v["grad_clip"] == 2.0
-    assert v["batch_dice"] is True  # one Dice per batch: higher on both MNI152 tasks
     # 0.05 s at 16x64x64 measured, 0.1 s wanted: 2x the reference voxels, capped (more steps
     # beat larger patches on CPU), and no larger than the volumes (19 -> 24 deep at most)
     assert v["patch_size"][0] <= 24 and all(p % 8 == 0 for p in v["patch_size"])
@@ -91,7 +90,6 @@ def test_gpu_plan_for_ct():
     assert v["normalization"] == "zscore"  # dataset gains less than the margin
     assert v["batch_size"] == 8 and v["norm"] == "batch" and v["f_maps"] == 32
     assert "grad_clip" not in v  # measured on CPU plans only: off, the default
-    assert "batch_dice" not in v
     assert math.prod(v["patch_size"]) <= 32 * 160 * 160 and v["depth"] == 4
     assert v["block"] == "residual"
     assert v["patch_size"][0] <= 80  # never deeper than the volumes (74, rounded up to 8)
