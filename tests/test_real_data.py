@@ -120,8 +120,9 @@ def test_the_plot_shows_the_run_whole_and_around_the_floor(tmp_path):
     assert Image.open(path).size[0] > 1.5 * Image.open(path).size[1]  # two panels side by side
 
 
-def test_plot_draws_a_run_again_up_to_its_budget(tmp_path, capsys):
-    rng = np.random.default_rng(0)
+def tiny_task_and_run(tmp_path, seed=0):
+    """A 2+2-volume data root at tmp_path/data and a 4-epoch run dir at tmp_path/run."""
+    rng = np.random.default_rng(seed)
     for split in ("train_patches", "val_patches"):
         for name in ("a", "b"):
             image = rng.random((4, 8, 8)).astype(np.float32)
@@ -133,6 +134,11 @@ def test_plot_draws_a_run_again_up_to_its_budget(tmp_path, capsys):
     run.mkdir()
     records = [{"epoch": e, "train_time_s": 10.0, "dice": 0.5 + e / 10} for e in range(1, 5)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+def test_plot_draws_a_run_again_up_to_its_budget(tmp_path, capsys):
+    run = tiny_task_and_run(tmp_path)
     png = tmp_path / "curve.png"
     argv = ["plot", "--run", str(run), "--data", str(tmp_path / "data"), "--plot", str(png)]
     assert real_data.main([*argv, "--budget-s", "25"]) == 0
@@ -151,18 +157,7 @@ def test_plot_draws_a_run_again_up_to_its_budget(tmp_path, capsys):
 def test_the_fitted_feature_floor_is_kept_in_the_run_and_drawn_from_there(
     tmp_path, capsys, monkeypatch
 ):
-    rng = np.random.default_rng(1)
-    for split in ("train_patches", "val_patches"):
-        for name in ("a", "b"):
-            image = rng.random((4, 8, 8)).astype(np.float32)
-            for kind, array in (("images", image), ("labels", (image > 0.6).astype(np.uint8))):
-                path = tmp_path / "data" / split / kind / f"{name}.npy"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_volume(path, array, VolumeMeta(".npy"))
-    run = tmp_path / "run"
-    run.mkdir()
-    records = [{"epoch": e, "train_time_s": 10.0, "dice": 0.5 + e / 10} for e in range(1, 5)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = tiny_task_and_run(tmp_path, seed=1)
     fitted = real_data.feature_floor_dice(tmp_path / "data", "raw", run)
     assert "feature floor (app.learned_floor, raw images" in capsys.readouterr().out
     kept = json.loads((run / "learned_floor.json").read_text())
