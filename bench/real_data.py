@@ -521,14 +521,13 @@ def feature_floor_dice(data: Path, normalization: str, run_dir: Path | None = No
     """The learned classical floor of ``app.analysis.learned_floor`` (about a minute on
     MNI152); with ``run_dir``, also written to its ``learned_floor.json``, as ``python -m
     app.learned_floor --run`` writes it, so that ``plot`` and ``summary`` need not fit it again."""
-    from app.analysis.cli import LEARNED_FLOOR_JSON
     from app.analysis.learned_floor import (
         SAMPLES_PER_VOLUME,
         Settings,
         data_root_floor,
         result_record,
+        save_record,
     )
-    from app.atomic import atomic_write_bytes
 
     started = time.perf_counter()
     found, size = data_root_floor(data, normalization)
@@ -538,9 +537,15 @@ def feature_floor_dice(data: Path, normalization: str, run_dir: Path | None = No
         f"val Dice {found.val_dice:.4f}"
     )
     if run_dir is not None:
-        settings = Settings(data, normalization, 0, False, SAMPLES_PER_VOLUME, run_dir)
-        record = json.dumps(result_record(found, size, settings, wall_s), indent=2) + "\n"
-        atomic_write_bytes(run_dir / LEARNED_FLOOR_JSON, record.encode())
+        settings = Settings(
+            data_root=data,
+            normalization=normalization,
+            seed=0,
+            leave_one_out=False,
+            samples_per_volume=SAMPLES_PER_VOLUME,
+            run_dir=run_dir,
+        )
+        save_record(run_dir, result_record(found, size, settings, wall_s))
     return found.val_dice
 
 

@@ -353,6 +353,13 @@ def result_record(
     }
 
 
+def save_record(run_dir: Path, record: dict[str, Any]) -> Path:
+    """``record`` as ``RUN_DIR/learned_floor.json``, written atomically; its path."""
+    path = run_dir / LEARNED_FLOOR_JSON
+    atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())
+    return path
+
+
 # ----------------------------------------------------------------------------- the command
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -482,8 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         record = result_record(found, size, settings, time.perf_counter() - started)
         if settings.run_dir is not None:
-            path = settings.run_dir / LEARNED_FLOOR_JSON
-            atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())
+            path = save_record(settings.run_dir, record)
     except (LearnedFloorError, RunDirError, DataError, VolumeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
