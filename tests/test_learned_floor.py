@@ -13,8 +13,8 @@ import pytest
 from helpers import phase_volume, write_dataset
 from scipy import ndimage
 
+from app.analysis import filter_features, report
 from app.analysis import learned_floor as ff
-from app.analysis import report
 from app.analysis.floor import classical_floors
 from app.data.dataset import load_split
 from app.data.volume_io import VolumeMeta, write_volume
@@ -38,8 +38,8 @@ def noisy_spheres(rng, shape=(12, 24, 24), shift=0.0, noise=0.9):
 
 def test_the_filters_are_the_image_and_its_scipy_filters_voxel_by_voxel():
     image = np.random.default_rng(0).random((6, 8, 10)).astype(np.float32)
-    feats = ff.filter_features(image)
-    names = ff.filter_names()
+    feats = filter_features.filter_features(image)
+    names = filter_features.filter_names()
     assert feats.shape == (image.size, len(names)) and feats.dtype == np.float32
     np.testing.assert_array_equal(feats[:, 0], image.reshape(-1))
     col = names.index("gaussian 1.6")
@@ -125,7 +125,7 @@ def test_the_command_writes_the_floor_of_a_run_where_the_report_draws_it(
     assert saved["voxels_sampled"] == 2 * 2000 and 1 <= saved["trees"] <= ff.TREES
     assert saved["fit_s"] > 0 and saved["seconds"]["total"] >= saved["fit_s"]
     assert saved["peak_memory_mib"] > 10 and "ru_maxrss" in saved["peak_memory_source"]
-    assert saved["features"] == ff.filter_names() and len(saved["features"]) == 22
+    assert saved["features"] == filter_features.filter_names() and len(saved["features"]) == 22
     assert [v["name"] for v in saved["volumes"]["val"]] == ["vol_00"]
     # the report's curves: the model's val Dice with the classical and the learned floor
     lines = {

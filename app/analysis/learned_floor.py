@@ -28,7 +28,6 @@ the peak resident memory (``ru_maxrss`` of the process) are printed and saved.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import resource
 import sys
@@ -40,22 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import ndimage
 
 from app.analysis.cli import LEARNED_FLOOR_JSON, HelpFormatter, RunDirError, run_config
+from app.analysis.filter_features import FILTERS_IN_WORDS, filter_features, filter_names
 from app.analysis.floor import dice_from_counts
 from app.atomic import atomic_write_bytes, os_cause, probe_writable
 from app.labels import label_scheme
 
-SMOOTHING_SIGMAS = (0.7, 1.0, 1.6, 2.5, 3.5, 5.0)  # voxels; ilastik's scales, and 2.5
-EDGE_SIGMAS = (0.7, 1.6, 3.5)  # gradient magnitude and Laplacian of Gaussian
-HESSIAN_SIGMAS = (1.0, 1.6, 3.5)  # eigenvalues of the Hessian of Gaussian: sheets, tubes, blobs
 SAMPLES_PER_VOLUME = 150_000  # training voxels drawn from each volume
-FILTERS_IN_WORDS = (
-    f"the image; Gaussian at sigma {', '.join(map(str, SMOOTHING_SIGMAS))}; gradient magnitude "
-    f"and Laplacian of Gaussian at {', '.join(map(str, EDGE_SIGMAS))}; Hessian eigenvalues at "
-    f"{', '.join(map(str, HESSIAN_SIGMAS))}"
-)
 TREES = 300  # at most: scikit-learn stops early on a held-out tenth past 10,000 samples
 LEAVES = 63
 NORMALIZATIONS = ("raw", "zscore", "percentile", "dataset")
@@ -64,42 +55,6 @@ MEMORY_SOURCE = "ru_maxrss: peak resident memory of the whole process"
 
 class LearnedFloorError(ValueError):
     """The inputs cannot give a learned floor; the message names the flag or file."""
-
-
-# ----------------------------------------------------------------------------- features
-def filter_names() -> list[str]:
-    return (
-        ["image"]
-        + [f"gaussian {s}" for s in SMOOTHING_SIGMAS]
-        + [f"{name} {s}" for s in EDGE_SIGMAS for name in ("gradient", "laplacian")]
-        + [f"hessian eigenvalue {k} {s}" for s in HESSIAN_SIGMAS for k in (1, 2, 3)]
-    )
-
-
-def hessian_eigenvalues(image: np.ndarray, sigma: float) -> np.ndarray:
-    """(*shape, 3) eigenvalues, ascending, of the Hessian of ``image`` smoothed by ``sigma``."""
-    hessian = np.empty((*image.shape, 3, 3), np.float32)
-    for i, j in itertools.combinations_with_replacement(range(3), 2):
-        order = [0, 0, 0]
-        order[i] += 1
-        order[j] += 1
-        second = ndimage.gaussian_filter(image, sigma, order=order, mode="reflect")
-        hessian[..., i, j] = hessian[..., j, i] = second
-    return np.linalg.eigvalsh(hessian)
-
-
-def filter_features(image: np.ndarray) -> np.ndarray:
-    """(voxels, features) float32: the image and its filters at every scale, voxel by voxel.
-    Borders are reflected, as a slab cut from a larger volume continues past its edge."""
-    image = np.asarray(image, np.float32)
-    columns = [image]
-    columns += [ndimage.gaussian_filter(image, s, mode="reflect") for s in SMOOTHING_SIGMAS]
-    for s in EDGE_SIGMAS:
-        columns.append(ndimage.gaussian_gradient_magnitude(image, s, mode="reflect"))
-        columns.append(ndimage.gaussian_laplace(image, s, mode="reflect"))
-    for s in HESSIAN_SIGMAS:
-        columns += list(np.moveaxis(hessian_eigenvalues(image, s), -1, 0))
-    return np.stack([c.reshape(-1) for c in columns], axis=1)
 
 
 # ----------------------------------------------------------------------------- fit and score
