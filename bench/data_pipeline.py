@@ -56,7 +56,12 @@ train_step = load_by_path("bench_train_step", ROOT / "bench" / "train_step.py")
 
 from app.config import Config, ConfigError  # noqa: E402
 from app.data.augment import LEVELS  # noqa: E402
-from app.data.dataset import DataError, PatchDataset, load_split  # noqa: E402
+from app.data.dataset import (  # noqa: E402
+    DataError,
+    Normalization,
+    PatchDataset,
+    load_split,
+)
 from app.data.volume_io import VolumeError  # noqa: E402
 
 
@@ -124,12 +129,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             root = Path(cfg.data_root)
             source = str(root)
         try:
-            volumes = load_split(root, "train", cfg.normalization, cfg.seed)
+            # As the trainer loads it: dataset normalisation is fitted on this split first.
+            volumes = load_split(root, "train", "raw", cfg.seed)
+            fitted = Normalization.fit(cfg.normalization, [vol.image for vol in volumes])
+            for vol in volumes:
+                vol.image = fitted(vol.image)
         except (DataError, VolumeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         loaders = {}
-        for mode in ("off", *LEVELS):
+        square = cfg.patch_size[1] == cfg.patch_size[2]
+        for mode in ("off", *(level for level in LEVELS if square or level != "rot90")):
             dataset = PatchDataset(
                 volumes,
                 cfg.patch_size,
@@ -157,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{cfg.num_workers} workers, pin_memory "
             f"{'on' if torch.cuda.is_available() else 'off'}; {args.repeats} epochs per mode, "
             "interleaved, worker start-up included"
+            + ("" if square else "; rot90 left out (it needs a patch with H == W)")
         )
         seconds: dict[str, list[float]] = {mode: [] for mode in loaders}
         for epoch in range(1, args.repeats + 1):

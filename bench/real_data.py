@@ -521,31 +521,21 @@ def feature_floor_dice(data: Path, normalization: str, run_dir: Path | None = No
     """The learned classical floor of ``app.analysis.learned_floor`` (about a minute on
     MNI152); with ``run_dir``, also written to its ``learned_floor.json``, as ``python -m
     app.learned_floor --run`` writes it, so that ``plot`` and ``summary`` need not fit it again."""
-    from app.analysis.learned_floor import (
-        SAMPLES_PER_VOLUME,
-        Settings,
-        data_root_floor,
-        result_record,
-        save_record,
-    )
+    from app.analysis.learned_floor import SAMPLES_PER_VOLUME, Settings, fit_and_record
 
-    started = time.perf_counter()
-    found, size = data_root_floor(data, normalization)
-    wall_s = time.perf_counter() - started
-    print(
-        f"feature floor (app.learned_floor, {normalization} images, {wall_s:.0f} s): "
-        f"val Dice {found.val_dice:.4f}"
+    settings = Settings(
+        data_root=data,
+        normalization=normalization,
+        seed=0,
+        leave_one_out=False,
+        samples_per_volume=SAMPLES_PER_VOLUME,
+        run_dir=run_dir,
     )
-    if run_dir is not None:
-        settings = Settings(
-            data_root=data,
-            normalization=normalization,
-            seed=0,
-            leave_one_out=False,
-            samples_per_volume=SAMPLES_PER_VOLUME,
-            run_dir=run_dir,
-        )
-        save_record(run_dir, result_record(found, size, settings, wall_s))
+    found, _, record, _ = fit_and_record(settings)
+    print(
+        f"feature floor (app.learned_floor, {normalization} images, "
+        f"{record['seconds']['total']:.0f} s): val Dice {found.val_dice:.4f}"
+    )
     return found.val_dice
 
 

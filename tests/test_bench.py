@@ -162,6 +162,18 @@ def test_data_pipeline_reads_a_given_data_root_with_workers(dataset, capsys):
     assert list(rows(out, [[m] for m in AUGMENT_MODES])) == AUGMENT_MODES
 
 
+def test_data_pipeline_fits_dataset_normalisation_and_leaves_rot90_out_of_oblong_patches(capsys):
+    # the plan's MNI152 settings: one intensity scale fitted on train, a 16x48x32 patch
+    argv = ["--patch-size", "16", "48", "32", "--batch-size", "2", "--num-workers", "0"]
+    argv += ["--samples-per-volume", "2", "--gen-volumes", "2", "--repeats", "1"]
+    assert data_pipeline.main([*argv, "--normalization", "dataset"]) == 0
+    out = capsys.readouterr().out
+    assert "rot90 left out (it needs a patch with H == W)" in out
+    assert list(rows(out, [[m] for m in AUGMENT_MODES])) == [
+        m for m in AUGMENT_MODES if m != "rot90"
+    ]
+
+
 def run_gpu_check(*args, python=sys.executable, timeout=120):
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env.update(PYTHON=str(python), OMP_NUM_THREADS="1")

@@ -54,6 +54,8 @@ def test_cpu_plan_for_slabs():
     assert v["batch_size"] == 2 and v["norm"] == "none" and v["f_maps"] == 8
     # Adam 3e-3 with no norm layer spiked and collapsed in 900 s runs; clipped at 2, it did not
     assert v["lr"] == 3e-3 and v["grad_clip"] == 2.0
+    # no norm layer re-centres a ReLU's inputs: leaky ReLU keeps the units that would die
+    assert v["activation"] == "leaky_relu" and "never fired" in plan.reasons["activation"]
     # 0.05 s at 16x64x64 measured, 0.1 s wanted: 2x the reference voxels, capped (more steps
     # beat larger patches on CPU), and no larger than the volumes (19 -> 24 deep at most)
     assert v["patch_size"][0] <= 24 and all(p % 8 == 0 for p in v["patch_size"])
@@ -89,6 +91,7 @@ def test_gpu_plan_for_ct():
     v = plan.values
     assert v["normalization"] == "zscore"  # dataset gains less than the margin
     assert v["batch_size"] == 8 and v["norm"] == "batch" and v["f_maps"] == 32
+    assert v["activation"] == "relu"  # BatchNorm before it: the original recipe's ReLU
     assert "grad_clip" not in v  # measured on CPU plans only: off, the default
     assert math.prod(v["patch_size"]) <= 32 * 160 * 160 and v["depth"] == 4
     assert v["block"] == "residual"
@@ -129,7 +132,13 @@ def test_the_plan_builds_on_the_settings_given():
     assert planned["epochs"] != 40
     assert make_plan(SLABS, CPU, 300, given={"epochs": 40}).values["milestones"] == [24, 34]
     # a batch large enough for BatchNorm's statistics gets it
-    assert make_plan(SLABS, CPU, 300, given={"batch_size": 8}).values["norm"] == "batch"
+    batch8 = make_plan(SLABS, CPU, 300, given={"batch_size": 8}).values
+    assert batch8["norm"] == "batch" and batch8["activation"] == "relu"
+    # a given norm decides the activation too, and a given activation is kept
+    assert make_plan(SLABS, CPU, 300, given={"norm": "instance"}).values["activation"] == "relu"
+    kept = make_plan(SLABS, CPU, 300, given={"activation": "relu"})
+    assert kept.values["activation"] == "relu"
+    assert kept.reasons["activation"].startswith("given; the plan's own: 'leaky_relu'")
     # a given patch: the pooling and the epoch's length are the ones of that patch
     small = make_plan(SLABS, CPU, 300, given={"patch_size": [16, 32, 32]})
     assert small.values["patch_size"] == [16, 32, 32] and small.values["depth"] == 3

@@ -315,6 +315,24 @@ def save_record(run_dir: Path, record: dict[str, Any]) -> Path:
     return path
 
 
+def fit_and_record(
+    settings: Settings,
+) -> tuple[LearnedFloor, DataSize, dict[str, Any], Path | None]:
+    """:func:`data_root_floor` as ``settings`` ask; its ``learned_floor.json`` record, written
+    into ``settings.run_dir`` when one is set (the path, else None)."""
+    started = time.perf_counter()
+    found, size = data_root_floor(
+        settings.data_root,
+        settings.normalization,
+        settings.seed,
+        leave_one_out=settings.leave_one_out,
+        samples_per_volume=settings.samples_per_volume,
+    )
+    record = result_record(found, size, settings, time.perf_counter() - started)
+    path = None if settings.run_dir is None else save_record(settings.run_dir, record)
+    return found, size, record, path
+
+
 # ----------------------------------------------------------------------------- the command
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -432,19 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from app.data.dataset import DataError
     from app.data.volume_io import VolumeError
 
-    started = time.perf_counter()
     try:
-        settings = resolve(args)
-        found, size = data_root_floor(
-            settings.data_root,
-            settings.normalization,
-            settings.seed,
-            leave_one_out=settings.leave_one_out,
-            samples_per_volume=settings.samples_per_volume,
-        )
-        record = result_record(found, size, settings, time.perf_counter() - started)
-        if settings.run_dir is not None:
-            path = save_record(settings.run_dir, record)
+        found, size, record, path = fit_and_record(resolve(args))
     except (LearnedFloorError, RunDirError, DataError, VolumeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -452,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc.filename or ''}: {os_cause(exc)}", file=sys.stderr)
         return 2
     print_result(found, size, record)
-    if settings.run_dir is not None:
+    if path is not None:
         print(f"wrote {path}")
     return 0
 
