@@ -250,17 +250,21 @@ def make_plan(
         if batch < SMALL_BATCH
         else f"batch {batch}: BatchNorm, which SyncBatchNorm converts under DDP",
     )
-    plan.choose(
-        "activation",
-        "leaky_relu" if plan.values["norm"] == "none" else Config().activation,
-        "no norm layer re-centres the inputs, so a ReLU whose inputs all turn negative stays "
-        "dead (MNI152: 32-61% of the channels never fired on the training slabs); leaky ReLU "
-        "0.01 (nnU-Net's) keeps them learning (300 s, 2 seeds, run in the same hour: "
-        + LEAKY_EVIDENCE
-        + ")"
-        if plan.values["norm"] == "none"
-        else "a norm layer before it keeps the units alive: the original recipe's ReLU",
-    )
+    if plan.values["norm"] == "none":
+        plan.choose(
+            "activation",
+            "leaky_relu",
+            "no norm layer re-centres the inputs, so a ReLU whose inputs all turn negative stays "
+            "dead (MNI152: 32-61% of the channels never fired on the training slabs); leaky "
+            f"ReLU 0.01 (nnU-Net's) keeps them learning (300 s, 2 seeds, run in the same hour: "
+            f"{LEAKY_EVIDENCE})",
+        )
+    else:
+        plan.choose(
+            "activation",
+            Config().activation,
+            "a norm layer before it keeps the units alive: the original recipe's ReLU",
+        )
     plan.choose(
         "lr",
         CPU_LR if cpu else Config().lr,
