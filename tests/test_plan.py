@@ -54,6 +54,8 @@ def test_cpu_plan_for_slabs():
     assert v["batch_size"] == 2 and v["norm"] == "none" and v["f_maps"] == 8
     # Adam 3e-3 with no norm layer spiked and collapsed in 900 s runs; clipped at 2, it did not
     assert v["lr"] == 3e-3 and v["grad_clip"] == 2.0
+    # MultiStepLR halves the rate at each milestone (0.2 settled lower on MNI152)
+    assert v["gamma"] == 0.5 and "halves" in plan.reasons["gamma"]
     # no norm layer re-centres a ReLU's inputs: leaky ReLU keeps the units that would die
     assert v["activation"] == "leaky_relu" and "never fired" in plan.reasons["activation"]
     # 0.05 s at 16x64x64 measured, 0.1 s wanted: 2x the reference voxels, capped (more steps
@@ -93,6 +95,7 @@ def test_gpu_plan_for_ct():
     assert v["batch_size"] == 8 and v["norm"] == "batch" and v["f_maps"] == 32
     assert v["activation"] == "relu"  # BatchNorm before it: the original recipe's ReLU
     assert "grad_clip" not in v  # measured on CPU plans only: off, the default
+    assert "gamma" not in v  # likewise: the recipe's 0.2
     assert math.prod(v["patch_size"]) <= 32 * 160 * 160 and v["depth"] == 4
     assert v["block"] == "residual"
     assert v["patch_size"][0] <= 80  # never deeper than the volumes (74, rounded up to 8)
@@ -139,6 +142,7 @@ def test_the_plan_builds_on_the_settings_given():
     kept = make_plan(SLABS, CPU, 300, given={"activation": "relu"})
     assert kept.values["activation"] == "relu"
     assert kept.reasons["activation"].startswith("given; the plan's own: 'leaky_relu'")
+    assert make_plan(SLABS, CPU, 300, given={"gamma": 0.2}).values["gamma"] == 0.2
     # a given patch: the pooling and the epoch's length are the ones of that patch
     small = make_plan(SLABS, CPU, 300, given={"patch_size": [16, 32, 32]})
     assert small.values["patch_size"] == [16, 32, 32] and small.values["depth"] == 3

@@ -228,7 +228,7 @@ def test_plan_auto_in_the_trainer_keeps_given_settings(dataset, tmp_path, monkey
     assert saved["f_maps"] == 4  # given: kept
     assert saved["resolved"]["plan"]["f_maps"].startswith("given; the plan's own: 8")
     assert saved["norm"] == "none" and saved["batch_size"] == 2  # planned for a CPU
-    assert saved["grad_clip"] == 2.0
+    assert saved["grad_clip"] == 2.0 and saved["gamma"] == 0.5
     assert set(saved["resolved"]["plan"]) >= {"patch_size", "epochs", "val_every"}
     rows = records(run_dir)
     assert rows[-1]["epoch"] == saved["epochs"] >= 3
