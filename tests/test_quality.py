@@ -241,6 +241,9 @@ def test_plan_auto_in_the_trainer_keeps_given_settings(dataset, tmp_path, monkey
     volumes = drawn[-1] // saved["samples_per_volume"]
     assert drawn[:2] == [volumes * saved["samples_per_volume"] // 2] * 2
     assert set(drawn[2:]) == {volumes * saved["samples_per_volume"]}
+    # the scheduler ran on the plan's factor: the rate halved at each milestone passed
+    passed = sum(m < rows[-1]["epoch"] for m in saved["milestones"])
+    assert passed and rows[-1]["lr"] == saved["lr"] * saved["gamma"] ** passed
     # resumed for one more epoch: the run's own plan (a new measurement might differ)
     more = saved["epochs"] + 1
     assert run([*argv, "--epochs", more, "--resume", "auto"]) == 0
