@@ -54,7 +54,7 @@ def test_cpu_plan_for_slabs():
     assert v["batch_size"] == 2 and v["norm"] == "none" and v["f_maps"] == 8
     # Adam 3e-3 with no norm layer spiked and collapsed in 900 s runs; clipped at 2, it did not
     assert v["lr"] == 3e-3 and v["grad_clip"] == 2.0
-    # MultiStepLR halves the rate at each milestone (0.2 settled lower on MNI152)
+    # MultiStepLR halves the rate at each milestone (level with 0.2 on MNI152, over the floor more)
     assert v["gamma"] == 0.5 and "halves" in plan.reasons["gamma"]
     # no norm layer re-centres a ReLU's inputs: leaky ReLU keeps the units that would die
     assert v["activation"] == "leaky_relu" and "never fired" in plan.reasons["activation"]
