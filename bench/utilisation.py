@@ -12,9 +12,10 @@ Every trainer flag is accepted (``--config``, ``--patch-size``, ``--batch-size``
 ``--repeats`` interleaved runs of ``--steps`` steps (medians), its FLOPs counted by
 ``app.engine.utilisation.step_flops`` (convolutions, forward and backward), and the peak of that
 precision measured in the same run by ``app.engine.utilisation.measure_peak`` (a 64->64 3x3x3
-convolution, forward and both backward passes, never cached here). ``--with-compiled`` adds the same
-step under ``torch.compile`` (``--compile on``'s wrapper): its time after compiling, the ratio to
-eager and the compile time.
+convolution, forward and both backward passes, never cached here): once in every repeat, the
+best of them (fp32's where the device has no native arithmetic for a half precision).
+``--with-compiled`` adds the same step under ``torch.compile`` (``--compile on``'s
+wrapper): its time after compiling, the ratio to eager and the compile time.
 
 A benchmark, not a test: figures hold on the hardware named in the header.
 """
@@ -37,7 +38,12 @@ from app.config import Config, ConfigError  # noqa: E402
 from app.distributed import DistEnv, resolve_device  # noqa: E402
 from app.engine.compiling import step_seconds  # noqa: E402
 from app.engine.steps import SyntheticStepper  # noqa: E402
-from app.engine.utilisation import autocast_dtype, measure_peak, step_flops  # noqa: E402
+from app.engine.utilisation import (  # noqa: E402
+    autocast_dtype,
+    measure_peak,
+    peak_dtype,
+    step_flops,
+)
 from bench.train_step import parse_args, versions_line  # noqa: E402
 
 PRECISIONS = {"fp32": ("O0", "bfloat16"), "bf16": ("O1", "bfloat16"), "fp16": ("O1", "float16")}
@@ -69,6 +75,10 @@ class Row:
     compiled: SyntheticStepper | None = None
     compile_s: float = 0.0
     times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+
+def row_config(rows: list[Row], precision: str) -> Config:
+    return next(row.cfg for row in rows if row.label.endswith(f", {precision}"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                 first = step_seconds(row.compiled.run, 1)
                 row.compile_s = first - step_seconds(row.compiled.run, 1)
             rows.append(row)
-        peaks[name] = measure_peak(
-            device, autocast_dtype(rows[-1].cfg), memory_format == "channels_last"
-        )
-    for _ in range(args.repeats):  # interleaved: every row sees the same machine load
+    channels_last = memory_format == "channels_last"
+    for _ in range(args.repeats):  # interleaved: every row and peak sees the same machine load
+        for name in args.precisions:
+            dtype = peak_dtype(device, autocast_dtype(row_config(rows, name)))
+            peaks[name] = max(peaks.get(name, 0.0), measure_peak(device, dtype, channels_last))
         for row in rows:
             row.times.setdefault("eager", []).append(step_seconds(row.eager.run, args.steps))
             if row.compiled:
@@ -139,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{flop / compiled / peak:>5.0%} {row.compile_s:>9.0f}"
             )
         print(line)
+    for name in args.precisions:
+        dtype = autocast_dtype(row_config(rows, name))
+        if peak_dtype(device, dtype) != dtype:
+            print(f"{name}: this device has no native {name}; its peak is fp32's")
     print(
         "GFLOP/step: convolutions forward and backward; peak: GFLOP/s of a 64->64 3x3x3 "
         "convolution (forward + both backward passes) in that precision, this run; util: "

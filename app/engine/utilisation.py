@@ -7,9 +7,12 @@
 - **Practical peak**: what this process gets from one large 3x3x3 convolution (64 -> 64
   channels) in the run's precision and memory format, forward and both backward passes, timed
   on the device that trains (all processes measure at once, sharing the machine as they will
-  when training). It is the fastest that this layer type runs here, not the vendor's figure.
-  Cached per device, torch version, threads, processes per node and precision
-  (``app.cache``), so only a machine's first run pays its second or so.
+  when training). It is the fastest that this layer type runs here, not the vendor's figure:
+  the best of about a second of rounds, so that a neighbour on a shared machine does not make
+  it a low figure. Where the device has no native arithmetic for the run's half precision
+  (bf16 on an AVX2 CPU), the peak is fp32's: the ratio then shows what emulation wastes.
+  Cached per device, torch version, threads, processes per node and precision (``app.cache``),
+  so only a machine's first run pays that second.
 - **Utilisation**: achieved FLOP/s (FLOPs per step x steps / training seconds, per process)
   over the peak. The trainer logs it at start-up from the precision probe's step time and writes
   it with every epoch's record (``gflop_per_s``, ``peak_gflop_per_s``, ``utilisation`` in
@@ -36,8 +39,12 @@ from app.precision.hardware import detect
 # batch, channels, D, H, W of the peak's convolution: large enough for the fastest kernels, and
 # about 0.2 s of work per round on one CPU core (a few ms on a GPU)
 PEAK_INPUT = {"cpu": (1, 64, 16, 32, 32), "cuda": (4, 128, 32, 64, 64)}
-PEAK_ROUNDS = 3
-PEAK_CACHE_VERSION = 1
+# Best of the rounds that fit in PEAK_SECONDS: on a shared 2-core VM (AMD EPYC Zen 3) the best of 3
+# rounds ranged 78-140 GFLOP/s across processes, the best of 12 (about a second) 110-140
+PEAK_SECONDS = 1.0
+PEAK_MIN_ROUNDS = 5
+PEAK_MAX_ROUNDS = 100
+PEAK_CACHE_VERSION = 2
 
 
 def step_flops(cfg: Config) -> float:
@@ -56,8 +63,19 @@ def autocast_dtype(cfg: Config) -> torch.dtype | None:
     return None if cfg.opt_level == "O0" else getattr(torch, cfg.amp_dtype)
 
 
+def peak_dtype(device: torch.device, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The precision the peak is measured in: the run's, unless this device computes it in
+    software (bf16 on an AVX2 CPU ran at about 1 GFLOP/s, a round of the peak's convolution took
+    15 s); then fp32, the best the machine does, against which an emulated run shows its waste."""
+    caps = detect(device)
+    native = {torch.bfloat16: caps.native_bf16, torch.float16: caps.native_fp16}
+    return None if dtype is not None and not native.get(dtype, True) else dtype
+
+
 def measure_peak(device: torch.device, dtype: torch.dtype | None, channels_last: bool) -> float:
-    """FLOP/s of the peak convolution here: best of ``PEAK_ROUNDS`` after one warm-up."""
+    """FLOP/s of the peak convolution here: the best round after one warm-up, of at least
+    ``PEAK_MIN_ROUNDS`` rounds and ``PEAK_SECONDS`` (a few hundred rounds' worth on a GPU is
+    capped at ``PEAK_MAX_ROUNDS``)."""
     batch, channels, *spatial = PEAK_INPUT[device.type]
     layout = torch.channels_last_3d if channels_last else torch.contiguous_format
     # forward, gradient of the input and gradient of the weights: 3 convolutions' worth
@@ -68,7 +86,9 @@ def measure_peak(device: torch.device, dtype: torch.dtype | None, channels_last:
         conv = conv.to(device, memory_format=layout)
         images = torch.randn(batch, channels, *spatial, device=device)
         images = images.to(memory_format=layout).requires_grad_()
-        for _ in range(PEAK_ROUNDS + 1):
+        while len(seconds) <= PEAK_MAX_ROUNDS and (
+            len(seconds) <= PEAK_MIN_ROUNDS or sum(seconds[1:]) < PEAK_SECONDS
+        ):
             synchronize(device)
             started = time.perf_counter()
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
@@ -106,11 +126,12 @@ class Utilisation:
     peak_flop_per_s: float
     precision: str  # e.g. "bf16 autocast, channels_last"
     peak_source: str  # "measured" or "cached in PATH"
+    emulated: bool = False  # the run's precision is software here: the peak is fp32's
 
     @classmethod
     def for_run(cls, cfg: Config, device: torch.device, precision: str) -> Utilisation:
         """Count the step and measure (or read) the peak; call on every process at once."""
-        dtype = autocast_dtype(cfg)
+        dtype = peak_dtype(device, autocast_dtype(cfg))
         channels_last = cfg.memory_format == "channels_last"
         facts = peak_facts(device, dtype, channels_last)
         path = cache.cache_file("peak", facts)
@@ -119,7 +140,8 @@ class Utilisation:
         if peak is None:
             peak, source = measure_peak(device, dtype, channels_last), "measured"
             cache.store(path, facts, "flop_per_s", peak)
-        return cls(step_flops(cfg), float(peak), precision, source)
+        emulated = dtype != autocast_dtype(cfg)
+        return cls(step_flops(cfg), float(peak), precision, source, emulated)
 
     def figures(self, steps: float, seconds: float) -> dict[str, float]:
         """The record fields for ``steps`` steps of this process in ``seconds``."""
@@ -131,9 +153,14 @@ class Utilisation:
         }
 
     def describe(self, step_s: float | None = None) -> str:
+        peak_in = (
+            f"is fp32's (this device has no native {self.precision.split()[0]}):"
+            if self.emulated
+            else f"in {self.precision} is"
+        )
         line = (
             f"one step is {self.step_flop / 1e9:.1f} GFLOP (convolutions, forward and backward); "
-            f"this process's practical peak in {self.precision} is "
+            f"this process's practical peak {peak_in} "
             f"{self.peak_flop_per_s / 1e9:.0f} GFLOP/s (a 64->64 3x3x3 convolution, "
             f"{self.peak_source})"
         )
