@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from helpers import TIMING, TINY, train_tiny, write_dataset, write_phases
+from helpers import BF16, TIMING, TINY, train_tiny, write_dataset, write_phases
 
 DATA = Path(__file__).resolve().parent / "data"
 LOCK = DATA / "behaviour_lock.json"
@@ -103,7 +103,8 @@ def resume_fixture(work: Path) -> Path:
     if not data.exists():
         write_dataset(data)
     args = ["--data-root", data, "--output-dir", run_dir, "--epochs", 2, "--lr", 0.01]
-    assert train_main([*map(str, args), "--resume", "auto", *TINY, *SMALL]) == 0
+    # the fixture was trained in bf16 autocast: resume it so on every machine
+    assert train_main([*map(str, args), "--resume", "auto", *TINY, *SMALL, *BF16]) == 0
     return run_dir
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
-from helpers import ROOT, blob_volume, train_tiny, write_dataset
+from helpers import BF16, ROOT, blob_volume, train_tiny, write_dataset
 from torch import nn
 
 from app.analysis import predict as predict_cli
@@ -457,7 +457,7 @@ def test_predicted_dice_equals_the_trainers_reported_dice(tmp_path, capsys):
     from app.analysis.evaluate import main as evaluate_main
 
     data = write_dataset(tmp_path / "data", n_train=3, n_val=3)
-    run_dir = train_tiny(data, tmp_path / "run")
+    run_dir = train_tiny(data, tmp_path / "run", *BF16)
     best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
     assert best["config"]["opt_level"] == "O1"  # bf16 autocast on CPU: predict must follow it
     capsys.readouterr()

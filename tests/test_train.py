@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import ROOT, TIMING, records, write_dataset
+from helpers import BF16, ROOT, TIMING, records, write_dataset
 
 from app.engine.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
 from app.train import main
@@ -138,7 +138,7 @@ def test_resume_none_refuses_to_overwrite_a_run(dataset, tmp_path, tiny_args, ca
 def test_resume_with_other_precision_is_refused(dataset, tmp_path, tiny_args, capsys):
     run_dir = tmp_path / "run"
     args = [*tiny_args, "--data-root", dataset, "--output-dir", run_dir]
-    assert run([*args, "--epochs", 1]) == 0
+    assert run([*args, "--epochs", 1, *BF16]) == 0
     assert run([*args, "--epochs", 2, "--opt-level", "O0"]) == 2
     err = capsys.readouterr().err
     assert "native O1 bfloat16" in err and "--opt-level O1" in err
